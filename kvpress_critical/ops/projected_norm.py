@@ -1,0 +1,199 @@
+"""``projected_value_norm``: the one op of CriticalKV, and the single place where backends are chosen.
+
+A backend is registered with :func:`register_backend` and picked by :func:`projected_value_norm`:
+explicitly by name (an unavailable backend is an error that says how to get it), or ``"auto"``: the
+first available backend in :data:`AUTO_ORDER` for the tensor's device, with one warning when a
+preferred backend is missing.
+"""
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvpress_critical.ops.torch_backend import projected_value_norm_torch
+
+logger = logging.getLogger(__name__)
+
+NORMS = ("l1", "l2")
+
+#: Preference order of ``backend="auto"`` per device type; names not registered are skipped silently.
+AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "cuda": ("cuda", "triton", "torch"),
+    "cpu": ("cpp", "torch"),
+}
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend was requested explicitly but cannot run here."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """
+    One implementation of :func:`projected_value_norm`.
+
+    Parameters
+    ----------
+    name : str
+        Name users pass as ``backend=``.
+    fn : callable
+        ``fn(values, o_proj_weight, num_attention_heads, norm) -> (B, H_kv, T) float32``.
+    devices : tuple of str
+        Device types (``"cpu"``, ``"cuda"``) the implementation runs on.
+    availability : callable
+        Returns ``None`` when usable, else a sentence saying why not and how to fix it.
+    """
+
+    name: str
+    fn: Callable[[torch.Tensor, torch.Tensor, int, str], torch.Tensor]
+    devices: tuple[str, ...]
+    availability: Callable[[], str | None]
+
+
+_BACKENDS: dict[str, Backend] = {}
+_warned: set[tuple[str, str]] = set()
+
+
+def register_backend(backend: Backend) -> None:
+    """Register (or replace) a backend under ``backend.name``."""
+    _BACKENDS[backend.name] = backend
+
+
+def registered_backends() -> tuple[str, ...]:
+    """Names of all registered backends, available here or not."""
+    return tuple(_BACKENDS)
+
+
+def available_backends(device: str | torch.device | None = None) -> list[str]:
+    """
+    Backends usable in this environment.
+
+    Parameters
+    ----------
+    device : str or torch.device, optional
+        Restrict to backends that run on this device type (``"cpu"``, ``"cuda"``).
+    """
+    device_type = None if device is None else torch.device(device).type
+    return [
+        name
+        for name, b in _BACKENDS.items()
+        if b.availability() is None and (device_type is None or device_type in b.devices)
+    ]
+
+
+def check_backend_name(backend: str) -> None:
+    """Raise if ``backend`` is neither ``"auto"`` nor a usable registered backend."""
+    if backend == "auto":
+        return
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose 'auto' or one of {sorted(_BACKENDS)}")
+    reason = _BACKENDS[backend].availability()
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {backend!r} is not available: {reason}")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Name of the backend that :func:`projected_value_norm` will run for ``backend`` on ``device``."""
+    if backend == "auto":
+        backend = os.environ.get("KVPRESS_CRITICAL_BACKEND", "auto")
+    if backend != "auto":
+        check_backend_name(backend)
+        if device.type not in _BACKENDS[backend].devices:
+            raise BackendUnavailableError(
+                f"backend {backend!r} runs on {list(_BACKENDS[backend].devices)}, but the values are on "
+                f"{device.type!r}; use backend='auto' or one of {available_backends(device)}"
+            )
+        return backend
+    order = AUTO_ORDER.get(device.type, ("torch",))
+    skipped = []
+    for name in order:
+        b = _BACKENDS.get(name)
+        if b is None or device.type not in b.devices:
+            continue
+        reason = b.availability()
+        if reason is None:
+            if skipped and (device.type, name) not in _warned:
+                _warned.add((device.type, name))
+                logger.warning(
+                    "projected_value_norm on %s: using backend %r because %s",
+                    device.type,
+                    name,
+                    "; ".join(f"{n!r} is not available ({r})" for n, r in skipped),
+                )
+            return name
+        skipped.append((name, reason))
+    return "torch"
+
+
+def _check_inputs(values: torch.Tensor, o_proj_weight: torch.Tensor, num_attention_heads: int, norm: str) -> None:
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if values.dim() != 4:
+        raise ValueError(f"values must be (batch, kv_heads, tokens, head_dim), got shape {tuple(values.shape)}")
+    if o_proj_weight.dim() != 2:
+        raise ValueError(f"o_proj_weight must be (hidden, heads * head_dim), got shape {tuple(o_proj_weight.shape)}")
+    if not values.is_floating_point() or not o_proj_weight.is_floating_point():
+        raise TypeError(
+            f"values and o_proj_weight must be floating point, got {values.dtype} and {o_proj_weight.dtype}; "
+            "dequantize a quantized o_proj first (kvpress_critical.modeling.dense_linear_weight)"
+        )
+    num_kv_heads, head_dim = values.shape[1], values.shape[3]
+    if num_attention_heads <= 0 or num_kv_heads == 0 or num_attention_heads % num_kv_heads:
+        raise ValueError(
+            f"num_attention_heads ({num_attention_heads}) must be a positive multiple of the number of KV heads "
+            f"in values ({num_kv_heads})"
+        )
+    if o_proj_weight.shape[1] != num_attention_heads * head_dim:
+        raise ValueError(
+            f"o_proj_weight has {o_proj_weight.shape[1]} input features but num_attention_heads * head_dim = "
+            f"{num_attention_heads} * {head_dim} = {num_attention_heads * head_dim}; pass the weight as stored in "
+            "nn.Linear, shape (hidden, heads * head_dim)"
+        )
+    if values.device != o_proj_weight.device:
+        raise ValueError(f"values are on {values.device} but o_proj_weight is on {o_proj_weight.device}")
+
+
+def projected_value_norm(
+    values: torch.Tensor,
+    o_proj_weight: torch.Tensor,
+    num_attention_heads: int,
+    norm: str = "l1",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """
+    Norm of the projected values ``||V_i W_O^h||`` averaged over each KV head's query group.
+
+    This is the ``N_i`` of CriticalKV (SPEC section 1): with GQA, the score of a KV head is the mean
+    over the query heads ``h`` of its group of ``||V_i W_O^h||_p``, where
+    ``W_O^h = o_proj.weight[:, h*d:(h+1)*d].T``. Accumulated and returned in float32 whatever the
+    input dtype; ``V W_O`` is never materialised beyond one bounded tile.
+
+    Parameters
+    ----------
+    values : torch.Tensor
+        ``(B, H_kv, T, d)`` cached values, any floating dtype, any strides.
+    o_proj_weight : torch.Tensor
+        ``(D, H * d)`` output-projection weight as stored in ``nn.Linear``.
+    num_attention_heads : int
+        Number of query heads ``H``.
+    norm : {"l1", "l2"}
+        ``"l1"`` (the paper's choice) or ``"l2"`` (exact, through cached Gram factors, ``D/d`` times cheaper).
+    backend : str
+        ``"auto"`` or a name from :func:`available_backends`.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, H_kv, T)`` float32.
+    """
+    _check_inputs(values, o_proj_weight, num_attention_heads, norm)
+    name = resolve_backend(backend, values.device)
+    return _BACKENDS[name].fn(values, o_proj_weight, num_attention_heads, norm)
+
+
+register_backend(
+    Backend(name="torch", fn=projected_value_norm_torch, devices=("cpu", "cuda"), availability=lambda: None)
+)

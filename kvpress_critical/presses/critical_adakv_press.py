@@ -1,0 +1,105 @@
+import logging
+from dataclasses import dataclass
+
+import torch
+from kvpress import AdaKVPress, ScorerPress
+from torch import nn
+
+from kvpress_critical.modeling import check_attention_supports_masking, module_projected_norm
+from kvpress_critical.presses.checks import check_common, check_fraction, check_ratio
+from kvpress_critical.selection import compute_n_kept, critical_adakv_keep_mask
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CriticalAdaKVPress(AdaKVPress):
+    """
+    CriticalAdaKV: AdaKV head-wise budgets with CriticalKV's two-stage selection inside each head.
+
+    Per layer and per batch row, the budget ``n_kept * H_kv`` is shared across KV heads by a top-k over
+    the base scores, after every head is guaranteed its top ``alpha_safeguard * n_kept`` entries. Each
+    head then runs Algorithm 1 in its own budget ``b_h``: the top ``max(n_safe, floor(first_stage_ratio
+    * b_h))`` entries by base score, then the highest ``(A_i + epsilon) * N_i``. Entries outside a
+    head's selection are masked through kvpress's attention patch (``module.masked_key_indices``): the
+    cache keeps its size, so no memory is saved, but attention ignores them during decoding.
+
+    Unlike kvpress's built-in ``CriticalAdaKVPress``: budgets are computed per batch row (batch size > 1
+    works), ``post_init_from_model`` is forwarded, selection is batched over heads with no Python loop
+    or host synchronisation, it is an ``AdaKVPress`` (so ``DecodingPress`` and
+    ``PrefillDecodingPress`` accept it), and it works on Qwen2 / Phi-3 configs without ``head_dim``.
+
+    Based on CriticalKV (https://arxiv.org/abs/2502.03805) and AdaKV (https://arxiv.org/abs/2407.11550).
+
+    Parameters
+    ----------
+    press : ScorerPress
+        Base press providing the scores ``A``; it holds the ``compression_ratio``.
+    alpha_safeguard : float, default=0.2
+        Fraction of the average budget every head keeps regardless of the global ranking.
+    epsilon : float, default=1e-4
+        Added to ``A`` in stage 2 so that entries with near-zero attention stay comparable.
+    first_stage_ratio : float, default=0.5
+        Fraction of each head's budget chosen by ``A`` alone (stage 1).
+    norm : {"l1", "l2"}, default="l1"
+        Norm of the projected values.
+    backend : str, default="auto"
+        Backend of :func:`kvpress_critical.projected_value_norm`.
+    """
+
+    press: ScorerPress = None
+    alpha_safeguard: float = 0.2
+    epsilon: float = 1e-4
+    first_stage_ratio: float = 0.5
+    norm: str = "l1"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        check_common(self.press, type(self).__name__, self.epsilon, self.first_stage_ratio, self.norm, self.backend)
+        check_fraction(self.alpha_safeguard, "alpha_safeguard")
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.press.compression_ratio
+
+    @compression_ratio.setter
+    def compression_ratio(self, value: float) -> None:
+        check_ratio(value)
+        self.press.compression_ratio = value
+
+    def post_init_from_model(self, model):
+        check_attention_supports_masking(model.config, type(self).__name__)
+        self.press.post_init_from_model(model)
+
+    def compress(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attentions: torch.Tensor,
+        kwargs: dict,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.compression_ratio == 0:
+            return keys, values
+        check_attention_supports_masking(module.config, type(self).__name__)
+
+        base_scores = self.press.score(module, hidden_states, keys, values, attentions, kwargs)
+        bsz, num_kv_heads, k_len = keys.shape[:3]
+        if base_scores.shape != (bsz, num_kv_heads, k_len):
+            raise ValueError(
+                f"{type(self.press).__name__}.score returned shape {tuple(base_scores.shape)}, expected "
+                f"(batch, kv_heads, k_len) = {(bsz, num_kv_heads, k_len)}"
+            )
+        n_kept = compute_n_kept(k_len, self.compression_ratio)
+        projected_norm = module_projected_norm(module, values, self.norm, self.backend)
+        keep, _, _ = critical_adakv_keep_mask(
+            base_scores, projected_norm, n_kept, self.alpha_safeguard, self.first_stage_ratio, self.epsilon
+        )
+
+        # Every row masks exactly n_pruned entries: a stable sort puts them (False) first, no host sync.
+        n_pruned = num_kv_heads * (k_len - n_kept)
+        flat = keep.view(bsz, -1).to(torch.int8).argsort(dim=-1, stable=True)[:, :n_pruned].reshape(-1)
+        batch_indices = torch.arange(bsz, device=keys.device).repeat_interleave(n_pruned)
+        module.masked_key_indices = (batch_indices, flat // k_len, flat % k_len)
+        return keys, values

@@ -1,0 +1,107 @@
+import logging
+from dataclasses import dataclass
+
+import torch
+from kvpress import ScorerPress
+from torch import nn
+
+from kvpress_critical.modeling import module_projected_norm
+from kvpress_critical.presses.checks import check_common, check_ratio
+from kvpress_critical.selection import compute_n_kept, critical_scores, first_stage_budget
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(init=False)
+class CriticalKVPress(ScorerPress):
+    """
+    CriticalKV: two-stage selection that bounds the attention-output perturbation.
+
+    Wraps any ``ScorerPress`` (the base score ``A``: SnapKV window attention, expected attention, key
+    norms...). For a per-head budget ``b = max(1, int(k_len * (1 - compression_ratio)))``, stage 1 keeps
+    the ``b1 = floor(first_stage_ratio * b)`` entries with the highest ``A`` (securing retained
+    attention mass ``s >= 1/2``); stage 2 keeps, among the rest, the ``b - b1`` entries with the highest
+    ``(A_i + epsilon) * N_i``, where ``N_i`` is the norm of the value projected by the output
+    projection, averaged over the KV head's query group. Scores are float32 whatever the model dtype.
+
+    Unlike kvpress's built-in ``CriticalKVPress``: works on models whose config has no ``head_dim``
+    (Qwen2, Phi-3), never copies V with ``repeat_kv`` nor materialises ``V W_O`` beyond one tile, offers
+    an exact L2 norm and fused backends, dequantizes quantized ``o_proj`` layers, and is a complete
+    dataclass (its repr, saved in evaluation configs, shows the inner press and every parameter).
+
+    Based on CriticalKV (https://arxiv.org/abs/2502.03805).
+
+    Parameters
+    ----------
+    press : ScorerPress
+        Base press providing the scores ``A``; it holds the ``compression_ratio``.
+    epsilon : float, default=1e-4
+        Added to ``A`` in stage 2 so that entries with near-zero attention stay comparable.
+    first_stage_ratio : float, default=0.5
+        Fraction of the budget chosen by ``A`` alone (stage 1).
+    norm : {"l1", "l2"}, default="l1"
+        Norm of the projected values (the paper uses L1; L2 is exact and ``D/d`` times cheaper).
+    backend : str, default="auto"
+        Backend of :func:`kvpress_critical.projected_value_norm` (``"auto"``, ``"torch"``, ...).
+    compression_ratio : float, optional
+        If given, set on the inner press (convenience; the inner press's own value is used otherwise).
+    """
+
+    press: ScorerPress = None
+    epsilon: float = 1e-4
+    first_stage_ratio: float = 0.5
+    norm: str = "l1"
+    backend: str = "auto"
+
+    def __init__(
+        self,
+        press: ScorerPress,
+        epsilon: float = 1e-4,
+        first_stage_ratio: float = 0.5,
+        norm: str = "l1",
+        backend: str = "auto",
+        compression_ratio: float | None = None,
+    ):
+        self.press = press
+        self.epsilon = epsilon
+        self.first_stage_ratio = first_stage_ratio
+        self.norm = norm
+        self.backend = backend
+        self.__post_init__()
+        if compression_ratio is not None:
+            self.compression_ratio = compression_ratio
+
+    def __post_init__(self):
+        check_common(self.press, type(self).__name__, self.epsilon, self.first_stage_ratio, self.norm, self.backend)
+
+    @property  # type: ignore[misc]
+    def compression_ratio(self) -> float:
+        return self.press.compression_ratio
+
+    @compression_ratio.setter
+    def compression_ratio(self, value: float) -> None:
+        check_ratio(value)
+        self.press.compression_ratio = value
+
+    def post_init_from_model(self, model):
+        self.press.post_init_from_model(model)
+
+    def score(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attentions: torch.Tensor,
+        kwargs: dict,
+    ) -> torch.Tensor:
+        base_scores = self.press.score(module, hidden_states, keys, values, attentions, kwargs)
+        if base_scores.shape != keys.shape[:3]:
+            raise ValueError(
+                f"{type(self.press).__name__}.score returned shape {tuple(base_scores.shape)}, expected "
+                f"(batch, kv_heads, k_len) = {tuple(keys.shape[:3])}"
+            )
+        n_kept = compute_n_kept(keys.shape[2], self.compression_ratio)
+        n_first = first_stage_budget(n_kept, self.first_stage_ratio)
+        projected_norm = module_projected_norm(module, values, self.norm, self.backend)
+        return critical_scores(base_scores, projected_norm, n_first, self.epsilon)

@@ -1,0 +1,136 @@
+"""The selection rules of CriticalKV (Algorithm 1 of arXiv 2502.03805) as pure tensor functions.
+
+Everything here works on float32 scores of shape ``(B, H_kv, T)`` and is batched over rows and heads:
+no Python loop over heads and no host synchronisation. The presses call these functions; the analysis
+tools reuse them to know which entries each stage selected.
+"""
+
+import torch
+from kvpress.utils import compute_n_kept
+
+__all__ = [
+    "adaptive_head_budgets",
+    "compute_n_kept",
+    "critical_adakv_keep_mask",
+    "critical_scores",
+    "descending_rank",
+    "first_stage_budget",
+    "first_stage_mask",
+    "safeguard_budget",
+]
+
+_MAX = torch.finfo(torch.float32).max
+
+
+def first_stage_budget(n_kept: int, first_stage_ratio: float) -> int:
+    """
+    ``b1 = floor(first_stage_ratio * b)`` entries chosen by the base score alone (stage 1).
+
+    Like kvpress, at least one entry goes to stage 1 whenever ``first_stage_ratio > 0`` and ``b > 0``,
+    so a tiny budget never skips the attention-mass safeguard. (For ``first_stage_ratio = 0.5`` this is
+    exactly kvpress's ``int((1 - ratio) * k_len * first_stage_ratio)``.)
+    """
+    n_first = int(n_kept * first_stage_ratio)
+    if first_stage_ratio > 0 and n_kept > 0:
+        n_first = max(1, n_first)
+    return n_first
+
+
+def safeguard_budget(n_kept: int, alpha_safeguard: float) -> int:
+    """AdaKV's safeguard: each head first keeps its top ``floor(alpha_safeguard * n_kept)`` (at least 1)."""
+    n_safe = int(n_kept * alpha_safeguard)
+    if alpha_safeguard > 0 and n_kept > 0:
+        n_safe = max(1, n_safe)
+    return n_safe
+
+
+def descending_rank(scores: torch.Tensor) -> torch.Tensor:
+    """Rank of every entry along the last dim (0 = highest); ties broken by position (stable)."""
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    positions = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, positions)
+
+
+def first_stage_mask(base_scores: torch.Tensor, n_first: int) -> torch.Tensor:
+    """Boolean ``(B, H_kv, T)`` mask of each head's top ``n_first`` entries by base score."""
+    mask = torch.zeros_like(base_scores, dtype=torch.bool)
+    if n_first > 0:
+        mask.scatter_(-1, base_scores.topk(n_first, dim=-1).indices, True)
+    return mask
+
+
+def critical_scores(
+    base_scores: torch.Tensor, projected_norm: torch.Tensor, n_first: int, epsilon: float
+) -> torch.Tensor:
+    """
+    Scores whose per-head top-``b`` is Algorithm 1 with ``b1 = n_first``.
+
+    Stage-1 entries (the top ``n_first`` by base score) get ``finfo(float32).max``; every other entry
+    gets ``(A_i + epsilon) * N_i``. Keeping the top ``b >= n_first`` of these scores keeps all stage-1
+    entries, then the best stage-2 entries.
+
+    Parameters
+    ----------
+    base_scores : torch.Tensor
+        ``(B, H_kv, T)`` scores of the base press (``A``), any float dtype; computed on in float32.
+    projected_norm : torch.Tensor
+        ``(B, H_kv, T)`` float32 projected-value norms (``N``).
+    n_first : int
+        Stage-1 budget, see :func:`first_stage_budget`.
+    epsilon : float
+        Added to ``A`` in stage 2 so that near-zero attention stays comparable.
+    """
+    base = base_scores.float()
+    scores = (base + epsilon) * projected_norm
+    return scores.masked_fill_(first_stage_mask(base, n_first), _MAX)
+
+
+def adaptive_head_budgets(base_scores: torch.Tensor, n_kept: int, alpha_safeguard: float) -> torch.Tensor:
+    """
+    AdaKV head-wise budgets, per batch row: ``(B, H_kv)`` int64 summing to ``n_kept * H_kv`` in each row.
+
+    Every head's top ``safeguard_budget(n_kept, alpha_safeguard)`` entries are boosted, then the
+    ``n_kept * H_kv`` best entries of the row (over all heads) decide how many each head gets.
+    """
+    bsz, num_kv_heads, k_len = base_scores.shape
+    boosted = base_scores.float()
+    n_safe = safeguard_budget(n_kept, alpha_safeguard)
+    if n_safe > 0:
+        boosted = boosted.scatter(-1, boosted.topk(n_safe, dim=-1).indices, _MAX)
+    top = boosted.reshape(bsz, -1).topk(n_kept * num_kv_heads, dim=-1).indices  # (B, n_kept * H_kv)
+    budgets = torch.zeros(bsz, num_kv_heads, dtype=torch.int64, device=base_scores.device)
+    return budgets.scatter_add_(1, top // k_len, torch.ones_like(top))
+
+
+def critical_adakv_keep_mask(
+    base_scores: torch.Tensor,
+    projected_norm: torch.Tensor,
+    n_kept: int,
+    alpha_safeguard: float,
+    first_stage_ratio: float,
+    epsilon: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """
+    CriticalKV inside AdaKV budgets (SPEC section 1, "With AdaKV").
+
+    Per batch row and KV head with budget ``b_h`` (:func:`adaptive_head_budgets`): stage 1 keeps the top
+    ``max(n_safe, floor(first_stage_ratio * b_h))`` entries by base score, stage 2 fills the head up to
+    ``b_h`` with the highest ``(A_i + epsilon) * N_i`` among the rest.
+
+    Returns
+    -------
+    keep : torch.Tensor
+        ``(B, H_kv, T)`` bool, exactly ``n_kept * H_kv`` True per row.
+    stage1 : torch.Tensor
+        ``(B, H_kv, T)`` bool, the entries chosen by stage 1 (a subset of ``keep``).
+    budgets : torch.Tensor
+        ``(B, H_kv)`` int64 head budgets.
+    """
+    base = base_scores.float()
+    budgets = adaptive_head_budgets(base, n_kept, alpha_safeguard)
+    n_safe = safeguard_budget(n_kept, alpha_safeguard)
+    n_first = (budgets * first_stage_ratio).long().clamp_(min=n_safe)  # (B, H_kv)
+    stage1 = descending_rank(base) < n_first.unsqueeze(-1)
+    stage2_scores = ((base + epsilon) * projected_norm).masked_fill_(stage1, _MAX)
+    keep = descending_rank(stage2_scores) < budgets.unsqueeze(-1)
+    return keep, stage1, budgets

@@ -1,0 +1,113 @@
+"""Shared test utilities: tiny config-built models and observing what a press keeps."""
+
+import torch
+from kvpress import AdaKVPress
+from transformers import DynamicCache
+
+
+def attention_layers(model):
+    base = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    return [layer.self_attn for layer in base.layers]
+
+
+@torch.no_grad()
+def prefill_keys(model, input_ids, press=None):
+    """Run the prefill (with ``press`` if given) and return the cache keys of every layer."""
+    cache = DynamicCache()
+    if press is None:
+        model.model(input_ids=input_ids, past_key_values=cache)
+    else:
+        with press(model):
+            model.model(input_ids=input_ids, past_key_values=cache)
+    return [layer.keys for layer in cache.layers]
+
+
+def _match_rows(kept: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+    """Boolean (B, H, T) mask of the rows of ``original`` that appear in ``kept`` (verified exact copies)."""
+    int_type = {2: torch.int16, 4: torch.int32, 8: torch.int64}[original.element_size()]
+    coeffs = torch.randint(1, 2**31, (original.shape[-1],), generator=torch.Generator().manual_seed(0))
+
+    def fingerprint(x):  # exact integer hash of each row's bits
+        return (x.contiguous().view(int_type).long() * coeffs).sum(-1)
+
+    fp_orig, fp_kept = fingerprint(original), fingerprint(kept)  # (B, H, T) / (B, H, n)
+    sorted_fp, order = fp_orig.sort(-1)
+    pos = torch.searchsorted(sorted_fp, fp_kept).clamp_(max=original.shape[2] - 1)
+    idx = order.gather(-1, pos)  # (B, H, n) candidate positions
+    copies = original.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, original.shape[-1]))
+    assert torch.equal(copies, kept), "a kept key is not a copy of an original key"
+    mask = torch.zeros(original.shape[:3], dtype=torch.bool).scatter_(-1, idx, True)
+    assert bool((mask.sum(-1) == kept.shape[2]).all()), "the same entry was kept twice"
+    return mask
+
+
+@torch.no_grad()
+def kept_masks(model, input_ids, press):
+    """
+    Per layer, a boolean (B, H_kv, T) mask of the entries ``press`` keeps after prefilling ``input_ids``.
+
+    Pruning presses are observed through the cache they leave; head-wise presses (AdaKV family)
+    through the ``masked_key_indices`` they set.
+    """
+    original = prefill_keys(model, input_ids)
+    compressed = prefill_keys(model, input_ids, press)
+    masks = []
+    for layer, (orig, comp) in enumerate(zip(original, compressed)):
+        if isinstance(press, AdaKVPress) or type(press).__name__ == "CriticalAdaKVPress":
+            module = attention_layers(model)[layer]
+            mask = torch.ones(orig.shape[:3], dtype=torch.bool)
+            idx = getattr(module, "masked_key_indices", None)
+            if idx is not None:
+                b, h, s = (i.cpu() for i in idx)
+                mask[b, h, s] = False
+            masks.append(mask)
+        else:
+            masks.append(_match_rows(comp, orig))
+    return masks
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+_MODEL_CACHE: dict = {}
+
+
+def tiny_model(
+    family: str,
+    num_kv_heads: int = 2,
+    num_heads: int = 4,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    num_layers: int = 2,
+):
+    """A tiny randomly initialised model of ``family`` built from its config (no download), cached."""
+    import transformers as tf
+
+    key = (family, num_kv_heads, num_heads, dtype, attn_implementation, num_layers)
+    if key in _MODEL_CACHE:
+        return _MODEL_CACHE[key]
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=2048,
+        attn_implementation=attn_implementation,
+    )
+    config_cls, model_cls, extra = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": None}),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),  # config has no head_dim
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"head_dim": 16}),  # q/k norm
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, {"pad_token_id": 0}),  # fused qkv, no head_dim
+        # head_dim (32) != hidden_size / num_heads (16)
+        "gemma3": (
+            tf.Gemma3TextConfig,
+            tf.Gemma3ForCausalLM,
+            {"head_dim": 32, "layer_types": ["full_attention"] * num_layers, "sliding_window": 4096},
+        ),
+    }[family]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**common, **extra)).to(dtype).eval()
+    _MODEL_CACHE[key] = model
+    return model
