@@ -6,6 +6,7 @@ from kvpress import AdaKVPress, ScorerPress
 from torch import nn
 
 from kvpress_critical.modeling import check_attention_supports_masking, module_projected_norm
+from kvpress_critical.presses.base_scores import base_scores
 from kvpress_critical.presses.checks import check_common, check_fraction, check_ratio
 from kvpress_critical.selection import compute_n_kept, critical_adakv_keep_mask
 
@@ -84,17 +85,12 @@ class CriticalAdaKVPress(AdaKVPress):
             return keys, values
         check_attention_supports_masking(module.config, type(self).__name__)
 
-        base_scores = self.press.score(module, hidden_states, keys, values, attentions, kwargs)
-        bsz, num_kv_heads, k_len = keys.shape[:3]
-        if base_scores.shape != (bsz, num_kv_heads, k_len):
-            raise ValueError(
-                f"{type(self.press).__name__}.score returned shape {tuple(base_scores.shape)}, expected "
-                f"(batch, kv_heads, k_len) = {(bsz, num_kv_heads, k_len)}"
-            )
+        scores = base_scores(self.press, module, hidden_states, keys, values, attentions, kwargs)
+        bsz, num_kv_heads, k_len = scores.shape
         n_kept = compute_n_kept(k_len, self.compression_ratio)
         projected_norm = module_projected_norm(module, values, self.norm, self.backend)
         keep, _, _ = critical_adakv_keep_mask(
-            base_scores, projected_norm, n_kept, self.alpha_safeguard, self.first_stage_ratio, self.epsilon
+            scores, projected_norm, n_kept, self.alpha_safeguard, self.first_stage_ratio, self.epsilon
         )
 
         # Every row masks exactly n_pruned entries: a stable sort puts them (False) first, no host sync.

@@ -6,6 +6,7 @@ from kvpress import ScorerPress
 from torch import nn
 
 from kvpress_critical.modeling import module_projected_norm
+from kvpress_critical.presses.base_scores import base_scores
 from kvpress_critical.presses.checks import check_common, check_ratio
 from kvpress_critical.selection import compute_n_kept, critical_scores, first_stage_budget
 
@@ -95,13 +96,8 @@ class CriticalKVPress(ScorerPress):
         attentions: torch.Tensor,
         kwargs: dict,
     ) -> torch.Tensor:
-        base_scores = self.press.score(module, hidden_states, keys, values, attentions, kwargs)
-        if base_scores.shape != keys.shape[:3]:
-            raise ValueError(
-                f"{type(self.press).__name__}.score returned shape {tuple(base_scores.shape)}, expected "
-                f"(batch, kv_heads, k_len) = {tuple(keys.shape[:3])}"
-            )
+        scores = base_scores(self.press, module, hidden_states, keys, values, attentions, kwargs)
         n_kept = compute_n_kept(keys.shape[2], self.compression_ratio)
         n_first = first_stage_budget(n_kept, self.first_stage_ratio)
         projected_norm = module_projected_norm(module, values, self.norm, self.backend)
-        return critical_scores(base_scores, projected_norm, n_first, self.epsilon)
+        return critical_scores(scores, projected_norm, n_first, self.epsilon)
