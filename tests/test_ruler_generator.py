@@ -59,7 +59,7 @@ def test_answers_are_in_the_context(dataset):
 
 
 def test_lengths_within_tolerance(tokenizer):
-    for length in (512, 1024):
+    for length in (384, 1024):
         df = generate_ruler_dataset(tokenizer, context_length=length, n_samples=2, seed=3)
         counts = [n_tokens(tokenizer, row) for row in df.itertuples()]
         assert max(counts) <= length
@@ -103,11 +103,26 @@ def test_tasks_are_answerable(dataset):
                 assert needle and needle.group(1) in keys
 
 
+def test_max_new_tokens_overrides(tokenizer):
+    df = generate_ruler_dataset(
+        tokenizer,
+        512,
+        1,
+        tasks=["niah_single_2", "niah_multivalue", "vt"],
+        max_new_tokens={"niah": 40, "niah_single_2": 20},
+    )
+    assert df.set_index("task")["max_new_tokens"].to_dict() == {"niah_single_2": 20, "niah_multivalue": 40, "vt": 30}
+    with pytest.raises(ValueError, match="neither tasks nor task families"):
+        generate_ruler_dataset(tokenizer, 512, 1, tasks=["vt"], max_new_tokens={"needle": 3})
+
+
 def test_rejects_bad_arguments(tokenizer):
     with pytest.raises(ValueError, match="unknown RULER task"):
         generate_ruler_dataset(tokenizer, tasks=["niah_single_9"])
     with pytest.raises(ValueError, match="too short"):
         generate_ruler_dataset(tokenizer, context_length=64, n_samples=1, tasks=["qa_2"])
+    with pytest.raises(ValueError, match="too short"):
+        generate_ruler_dataset(tokenizer, context_length=256, n_samples=1, tasks=["cwe"])
 
 
 def test_local_dataset_folder_roundtrip(dataset, tmp_path):

@@ -34,7 +34,7 @@ import string
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import pandas as pd
 
@@ -316,6 +316,10 @@ class _World:
         subject = self.take(kind)
         return {"town": self.town_doc, "person": self.person_doc, "company": self.company_doc}[kind](subject)
 
+    def short_distractor(self) -> str:
+        """A one-line document (fine length adjustment)."""
+        return f"{self.take('town')} lies on the {self.rng.choice(words.RIVERS)} River."
+
 
 def _qa(rng: random.Random, n: int, hops: int) -> Sample:
     world = _World(rng)
@@ -342,7 +346,9 @@ def _qa(rng: random.Random, n: int, hops: int) -> Sample:
             person, town, mayor = world.take("person"), world.take("town"), world.take("person")
             gold = [world.person_doc(person, town=town), world.town_doc(town, mayor=mayor)]
             query, answer = f"Who is the mayor of the town where {person} was born?", mayor
-    documents = [world.distractor() for _ in range(n)]
+    # n // 3 documents plus n % 3 one-line documents: a fine enough length granularity for short contexts
+    documents = [world.distractor() for _ in range(n // 3)] + [world.short_distractor() for _ in range(n % 3)]
+    rng.shuffle(documents)
     for doc in gold:  # each hop lands in its own random place
         documents = _insert(documents, [doc], rng)
     listing = "\n\n".join(f"Document {i + 1}:\n{doc}" for i, doc in enumerate(documents))
@@ -421,6 +427,7 @@ def generate_ruler_dataset(
     n_samples: int = 10,
     tasks: Sequence[str] | None = None,
     seed: int = 0,
+    max_new_tokens: Mapping[str, int] | None = None,
 ) -> pd.DataFrame:
     """
     Generate RULER-style samples in kvpress's RULER dataset format, offline and deterministically.
@@ -438,6 +445,9 @@ def generate_ruler_dataset(
         Tasks to generate, among ``RULER_TASKS`` (default: all 13).
     seed : int, default=0
         Same seed, tokenizer and arguments: same rows.
+    max_new_tokens : mapping, optional
+        Generation budgets overriding ``MAX_NEW_TOKENS`` (kvpress's), keyed by task (``"niah_single_2"``) or
+        task family (``"niah"``); the task name wins.
 
     Returns
     -------
@@ -451,11 +461,19 @@ def generate_ruler_dataset(
         raise ValueError(f"unknown RULER task(s) {unknown}; known tasks: {', '.join(RULER_TASKS)}")
     if n_samples < 1:
         raise ValueError(f"n_samples must be positive, got {n_samples}")
+    overrides = dict(max_new_tokens or {})
+    unknown = sorted(set(overrides) - set(RULER_TASKS) - set(MAX_NEW_TOKENS))
+    if unknown:
+        raise ValueError(
+            f"max_new_tokens keys {unknown} are neither tasks nor task families ({sorted(MAX_NEW_TOKENS)})"
+        )
     count = _token_counter(tokenizer)
     lower = int((1 - LENGTH_TOLERANCE) * context_length)
     rows = []
     for task in tasks:
         build_task, n_min, n_max = _builder(task, context_length)
+        family = task.split("_")[0]
+        budget = int(overrides.get(task, overrides.get(family, MAX_NEW_TOKENS[family])))
         guess = n_min + 16
         for index in range(n_samples):
             sample_seed = f"kvpress-critical-ruler/{seed}/{task}/{index}"
@@ -475,7 +493,7 @@ def generate_ruler_dataset(
                     "answer_prefix": sample.answer_prefix,
                     "answer": list(sample.answer),
                     "task": task,
-                    "max_new_tokens": MAX_NEW_TOKENS[task.split("_")[0]],
+                    "max_new_tokens": budget,
                 }
             )
     return pd.DataFrame(rows, columns=list(COLUMNS))
