@@ -24,7 +24,6 @@ The average is reported only when every expected task is present (``average_avai
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import logging
 import math
@@ -66,6 +65,7 @@ RULER_ORDER = [
 ]
 STRING_MATCH_DATASETS = ("ruler",)  # plus any dataset registered as RULER-format (detected from metrics)
 KEYS = ["model", "benchmark", "press", "compression_ratio"]
+_CONTROL = re.compile(r"[\x00-\x1f]")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -250,27 +250,39 @@ def critical_vs_base(summary: pd.DataFrame, paired: pd.DataFrame | None = None) 
 
 
 def _answers(value) -> list[str]:
-    """The reference answers of a predictions.csv cell (a list or numpy array written as text)."""
+    """
+    The reference answers of a predictions.csv cell.
+
+    pandas writes the list column as numpy prints it (``['a' 'b']``, no commas; ``ast.literal_eval`` would
+    concatenate the strings), or as a Python list (``['a', 'b']``): the quoted strings are the answers.
+    """
     if isinstance(value, (list, tuple)):
         return [str(v) for v in value]
     text = str(value)
-    try:
-        parsed = ast.literal_eval(text)
-        if isinstance(parsed, (list, tuple)):
-            return [str(v) for v in parsed]
-    except (ValueError, SyntaxError):
-        pass
-    return re.findall(r"'((?:[^'\\]|\\.)*)'", text) or [text]
+    quoted = re.findall(r"'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"", text)
+    return [single or double for single, double in quoted] or [text]
 
 
 def sample_matches(predictions: pd.DataFrame) -> pd.Series:
-    """Per-sample fraction of reference answers found in the prediction (case-insensitive)."""
-    preds = predictions["predicted_answer"].fillna("").astype(str).str.strip().str.lower()
+    """
+    Per-sample string match, the quantity kvpress's RULER scorer averages per task: control characters are
+    removed from the prediction, then the fraction of reference answers it contains (case-insensitive), or
+    whether it contains any of them for ``qa`` tasks.
+    """
+    preds = predictions["predicted_answer"].fillna("").astype(str).map(lambda x: _CONTROL.sub("", x.strip()).strip())
     refs = predictions["answer"].map(_answers)
-    return pd.Series(
-        [sum(r.lower() in p for r in ref) / len(ref) if ref else math.nan for p, ref in zip(preds, refs)],
-        index=predictions.index,
-    )
+    tasks = predictions["task"] if "task" in predictions.columns else pd.Series("", index=predictions.index)
+    scores = []
+    for pred, ref, task in zip(preds.str.lower(), refs, tasks):
+        hits = [r.lower() in pred for r in ref]
+        scores.append((max(hits) if str(task).startswith("qa") else sum(hits) / len(hits)) if hits else math.nan)
+    return pd.Series(scores, index=predictions.index, dtype=float)
+
+
+def _consistent(predictions: pd.DataFrame, scores: dict[str, float]) -> bool:
+    """Whether per-sample matches average to the run's metrics (else pairing would not mean the same thing)."""
+    per_task = (100 * sample_matches(predictions)).groupby(predictions["task"]).mean().round(2)
+    return all(abs(per_task.get(task, math.nan) - score) < 0.02 for task, score in scores.items())
 
 
 def paired_samples(runs: list[dict]) -> pd.DataFrame:
@@ -294,6 +306,9 @@ def paired_samples(runs: list[dict]) -> pd.DataFrame:
         if not needed <= set(crit_df.columns) or not needed <= set(base_df.columns) or len(crit_df) != len(base_df):
             continue
         if not (crit_df["question"].equals(base_df["question"]) and crit_df["task"].equals(base_df["task"])):
+            continue
+        if not (_consistent(crit_df, run["scores"]) and _consistent(base_df, base_run["scores"])):
+            logger.warning("per-sample matches of %s / %s do not reproduce their metrics: not paired", press, base)
             continue
         crit, base_m = sample_matches(crit_df) == 1.0, sample_matches(base_df) == 1.0
         rows.append(

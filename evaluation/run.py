@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -176,8 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stop(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")  # the sweep then stops its workers
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.preset is None:
         args.preset, reason = default_preset()

@@ -182,8 +182,11 @@ def run_sweep(
                 bar.set_postfix(done=len(report.done), failed=len(report.failed))
     finally:
         bar.close()
-        for run in running:  # interrupted: stop our own workers
+        for run in running:  # interrupted: stop our own workers, drop their partial output
             run.process.terminate()
+            run.process.wait()
+            shutil.rmtree(run.staging, ignore_errors=True)
+            logger.warning("interrupted %s (not finished, will run again next time)", run.job.name)
     return report
 
 
