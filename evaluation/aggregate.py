@@ -36,6 +36,7 @@ import yaml
 
 from evaluation.registry import BASELINE, CRITICAL_BASES
 from evaluation.worker import NON_RESULT_DIRS
+from kvpress_critical.data.ruler import RULER_TASKS
 
 logger = logging.getLogger(__name__)
 
@@ -48,22 +49,7 @@ LONGBENCH_DOMAINS = {
     "Code": ["lcc", "repobench-p"],
 }
 LONGBENCH_TASKS = [task for tasks in LONGBENCH_DOMAINS.values() for task in tasks]
-RULER_ORDER = [
-    "niah_single_1",
-    "niah_single_2",
-    "niah_single_3",
-    "niah_multikey_1",
-    "niah_multikey_2",
-    "niah_multikey_3",
-    "niah_multivalue",
-    "niah_multiquery",
-    "vt",
-    "cwe",
-    "fwe",
-    "qa_1",
-    "qa_2",
-]
-STRING_MATCH_DATASETS = ("ruler",)  # plus any dataset registered as RULER-format (detected from metrics)
+RULER_ORDER = list(RULER_TASKS)  # kvpress's RULER tasks, in the paper's order
 KEYS = ["model", "benchmark", "press", "compression_ratio"]
 _CONTROL = re.compile(r"[\x00-\x1f]")
 
@@ -347,26 +333,20 @@ def missing_cells(
         for problem in run["problems"]:
             rows.append({**_cell(run), "task": "", "reason": problem})
     if expected is not None:
+        per_task = {run["dataset"] for run in runs if run["per_task_runs"]} | {"longbench", "longbench-e"}
         for name, config in expected:
-            run = present.get(name)
-            if run is not None and not any("missing" in p for p in run["problems"]):
-                continue
-            if run is not None:
-                continue  # already reported above
+            if name in present:
+                continue  # its problems, if any, are reported above
+            dataset, data_dir = str(config.get("dataset")), config.get("data_dir")
+            if dataset in per_task:
+                benchmark, task = dataset, str(data_dir or "")
+            else:
+                benchmark, task = dataset + (f"/{data_dir}" if data_dir else ""), ""
+            press = config.get("press_name")
             failed = (results_dir / "failed" / f"{name}.txt").is_file()
-            rows.append(
-                {
-                    "model": config.get("model"),
-                    "benchmark": config.get("dataset") + (f"/{config['data_dir']}" if config.get("data_dir") else ""),
-                    "press": config.get("press_name"),
-                    "compression_ratio": 0.0
-                    if config.get("press_name") == BASELINE
-                    else config.get("compression_ratio"),
-                    "task": "",
-                    "reason": f"configuration failed (see failed/{name}.txt)" if failed else "configuration not run",
-                    "name": name,
-                }
-            )
+            reason = f"configuration failed (see failed/{name}.txt)" if failed else "configuration not run"
+            ratio = 0.0 if press == BASELINE else config.get("compression_ratio")
+            rows.append({**_row(config.get("model"), benchmark, press, ratio, task, reason), "name": name})
     else:
         for (model, benchmark), group in scores.groupby(["model", "benchmark"], sort=False):
             presses = [p for p in group["press"].unique() if p != BASELINE]
@@ -385,7 +365,9 @@ def missing_cells(
             for task in task_order(expected_tasks - set(cell["task"])):
                 rows.append(_row(model, benchmark, press, ratio, task, "task missing"))
     columns = ["model", "benchmark", "press", "compression_ratio", "task", "reason", "name"]
-    return pd.DataFrame(rows, columns=columns)
+    frame = pd.DataFrame(rows, columns=columns)
+    # a LongBench task run that never ran is both "not run" and "task missing": keep the first reason
+    return frame.drop_duplicates(["model", "benchmark", "press", "compression_ratio", "task"]).reset_index(drop=True)
 
 
 def _cell(run: dict) -> dict:

@@ -27,7 +27,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from evaluation.presets import DatasetSpec, Job, Preset, expand, load_preset
+from evaluation.presets import Job, Model, Preset, expand, load_preset
 from evaluation.sweep import REPO_ROOT, gpu_ids, run_sweep
 from evaluation.worker import is_finished
 
@@ -66,9 +66,7 @@ def apply_overrides(preset: Preset, args: argparse.Namespace) -> Preset:
         preset.compression_ratios = [float(r) for r in _split(args.ratios)]
     if args.models:
         wanted = _split(args.models)
-        preset.models = [m for m in preset.models if m.name in wanted] or [
-            type(preset.models[0])(name) for name in wanted
-        ]
+        preset.models = [m for m in preset.models if m.name in wanted] or [Model(name) for name in wanted]
     if args.datasets:
         wanted = _split(args.datasets)
         preset.datasets = [d for d in preset.datasets if d.dataset in wanted or f"{d.dataset}:{d.data_dir}" in wanted]
@@ -249,4 +247,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["DatasetSpec", "apply_overrides", "default_preset", "main", "name_jobs", "prepare_datasets"]
+__all__ = ["apply_overrides", "default_preset", "main", "name_jobs", "prepare_datasets"]

@@ -180,3 +180,23 @@ def test_sample_matches_follow_kvpress_ruler_metrics():
     )
     # all answers count (fraction), control characters removed before matching; qa: any answer
     assert sample_matches(frame).tolist() == pytest.approx([2 / 3, 0.0, 1.0, 1.0])
+
+
+def test_longbench_task_run_missing_is_one_cell(tmp_path):
+    root = tmp_path / "results"
+    expected = []
+    for task in ("lcc", "repobench-p"):
+        for press, ratio in (("no_press", 0.0), ("snapkv", 0.8)):
+            config = {"dataset": "longbench", "data_dir": task, "model": MODEL, "press_name": press}
+            config["compression_ratio"] = ratio
+            name = f"longbench__{task}__org--Model-7B__{press}__{ratio:.2f}"
+            expected.append((name, config))
+            if (task, press) != ("lcc", "snapkv"):
+                make_run(root, "longbench", task, press, ratio, 50.0)
+    out = aggregate(root, expected=expected)
+    missing = pd.read_csv(out / "missing.csv", keep_default_na=False)
+    assert missing[["benchmark", "press", "task", "reason"]].values.tolist() == [
+        ["longbench", "snapkv", "lcc", "configuration not run"]
+    ]
+    summary = pd.read_csv(out / "summary.csv").set_index("press")
+    assert math.isnan(summary.loc["snapkv", "Code"]) and summary.loc["no_press", "Code"] == pytest.approx(50.0)

@@ -163,3 +163,21 @@ def test_explicit_evaluation_dir_is_checked(tmp_path, monkeypatch):
     real = kvpress_eval.sdist_cache() / "evaluation"
     if real.is_dir():
         assert kvpress_eval.evaluation_dir(real) == real.resolve()
+
+
+def test_incomplete_results_folder_is_set_aside_not_overwritten(tmp_path):
+    from evaluation.sweep import _set_aside_incomplete
+
+    partial = tmp_path / "run"
+    partial.mkdir()
+    (partial / "predictions.csv").write_text("left by a crash")
+    _set_aside_incomplete(tmp_path, "run")
+    assert not partial.exists()
+    (aside,) = (tmp_path / ".incomplete").iterdir()
+    assert aside.name.startswith("run.") and (aside / "predictions.csv").read_text() == "left by a crash"
+    finished = tmp_path / "done"
+    finished.mkdir()
+    for name in ("predictions.csv", "metrics.json", "config.yaml"):
+        (finished / name).write_text("x")
+    _set_aside_incomplete(tmp_path, "done")
+    assert is_finished(finished)
