@@ -181,3 +181,15 @@ def test_incomplete_results_folder_is_set_aside_not_overwritten(tmp_path):
         (finished / name).write_text("x")
     _set_aside_incomplete(tmp_path, "done")
     assert is_finished(finished)
+
+
+def test_default_preset_is_smoke_without_gpu_or_network(monkeypatch):
+    import evaluation.run as run
+
+    monkeypatch.setattr(run, "gpu_ids", lambda: [])
+    assert run.default_preset() == ("smoke", "no GPU")
+    monkeypatch.setattr(run, "gpu_ids", lambda: ["0"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert run.default_preset()[0] == "smoke" and not run.network_available()
+    monkeypatch.setattr(run, "network_available", lambda: True)
+    assert run.default_preset()[0] == "paper"
