@@ -273,8 +273,8 @@ def _consistent(predictions: pd.DataFrame, scores: dict[str, float]) -> bool:
 
 def paired_samples(runs: list[dict]) -> pd.DataFrame:
     """
-    For each CriticalKV run and its base run on the same string-match data: samples, how many each one
-    alone gets right (full match), and how many are tied. Runs whose rows do not align are skipped.
+    For each CriticalKV run and its base run on the same string-match data: samples, on how many each one
+    scores higher (per-sample string match), and ties. Runs whose rows do not align are skipped.
     """
     by_key = {(r["model"], r["benchmark"], r["press"], r["compression_ratio"]): r for r in runs}
     rows = []
@@ -296,7 +296,7 @@ def paired_samples(runs: list[dict]) -> pd.DataFrame:
         if not (_consistent(crit_df, run["scores"]) and _consistent(base_df, base_run["scores"])):
             logger.warning("per-sample matches of %s / %s do not reproduce their metrics: not paired", press, base)
             continue
-        crit, base_m = sample_matches(crit_df) == 1.0, sample_matches(base_df) == 1.0
+        crit, base_m = sample_matches(crit_df), sample_matches(base_df)
         rows.append(
             {
                 "model": model,
@@ -305,9 +305,9 @@ def paired_samples(runs: list[dict]) -> pd.DataFrame:
                 "base": base,
                 "critical": press,
                 "n_samples": len(crit_df),
-                "only_critical_correct": int((crit & ~base_m).sum()),
-                "only_base_correct": int((~crit & base_m).sum()),
-                "both_correct": int((crit & base_m).sum()),
+                "critical_better": int((crit > base_m).sum()),
+                "base_better": int((crit < base_m).sum()),
+                "ties": int((crit == base_m).sum()),
             }
         )
     return pd.DataFrame(rows)
@@ -448,7 +448,7 @@ def markdown_tables(summary: pd.DataFrame, comparison: pd.DataFrame, missing: pd
             "Relative reduction %",
         ]
         if paired:
-            header += ["Samples", "Only critical right", "Only base right"]
+            header += ["Samples", "Critical better", "Base better"]
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "---|" * len(header))
         for _, row in comparison.sort_values(["model", "benchmark", "critical", "cache_size"]).iterrows():
@@ -468,18 +468,23 @@ def markdown_tables(summary: pd.DataFrame, comparison: pd.DataFrame, missing: pd
             if paired:
                 cells += [
                     _fmt(row.get("n_samples"), 0),
-                    _fmt(row.get("only_critical_correct"), 0),
-                    _fmt(row.get("only_base_correct"), 0),
+                    _fmt(row.get("critical_better"), 0),
+                    _fmt(row.get("base_better"), 0),
                 ]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-        means = comparison.groupby(["model", "benchmark", "critical", "base"], sort=False)["loss_reduction_pp"].mean()
-        lines += [
-            "",
-            "Mean loss reduction over cache sizes (pp): "
-            + "; ".join(
-                f"{crit} vs {base} ({model}, {bench}): {_fmt(v)}" for (model, bench, crit, base), v in means.items()
-            ),
-        ]
+        lines += ["", "Over all cache sizes:", ""]
+        for (model, bench, crit, base), group in comparison.groupby(
+            ["model", "benchmark", "critical", "base"], sort=False
+        ):
+            reduction = _fmt(group["loss_reduction_pp"].mean())
+            text = f"- {crit} vs {base} ({model}, {bench}): mean loss reduction {reduction} pp"
+            if paired and group["n_samples"].notna().all():
+                text += (
+                    f"; per sample, critical better on {int(group['critical_better'].sum())}, base better on "
+                    f"{int(group['base_better'].sum())}, tied on {int(group['ties'].sum())} of "
+                    f"{int(group['n_samples'].sum())}"
+                )
+            lines.append(text)
     lines += ["", "## Missing", ""]
     if missing.empty:
         lines.append("Nothing missing.")

@@ -162,7 +162,8 @@ def test_paired_samples_from_predictions(tmp_path):
     make_run(root, "ruler", "4096", "critical_snapkv", 0.5, metrics(75.0), predictions(["no", "22\n23", "33", "44"]))
     row = pd.read_csv(aggregate(root) / "critical_vs_base.csv").iloc[0]
     assert row["n_samples"] == 4
-    assert (row["only_critical_correct"], row["only_base_correct"], row["both_correct"]) == (2, 1, 1)
+    # per-sample string match: q1 base 1 > 0, q2 critical 1 > 0.5, q3 critical 1 > 0, q4 tie
+    assert (row["critical_better"], row["base_better"], row["ties"]) == (2, 1, 1)
     # per-sample matches that do not reproduce metrics.json are not paired
     make_run(root, "ruler", "4096", "snapkv", 0.25, metrics(10.0), predictions(["11", "22", "no", "44"]))
     make_run(root, "ruler", "4096", "critical_snapkv", 0.25, metrics(75.0), predictions(["no", "22 23", "33", "44"]))
