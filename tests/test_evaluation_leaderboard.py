@@ -1,17 +1,14 @@
 """evaluation/leaderboard.py: completeness check and packaging of a leaderboard results folder (no upload)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import yaml
 
+from evaluation import leaderboard
 from kvpress_critical.data import RULER_TASKS
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = "Qwen/Qwen3-8B"
 RATIOS = (0.25, 0.5, 0.75, 0.875)
 
@@ -27,13 +24,13 @@ def make_folder(root: Path, press: str, ratio: float, repr_: str) -> Path:
     return folder
 
 
-def check(results: Path, *extra: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "evaluation.leaderboard", str(results), "--presses", "critical_snapkv", *extra]
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+def check(results: Path, capsys) -> tuple[int, str]:
+    """The leaderboard command, in this process (kvpress's evaluation code is imported once per session)."""
+    code = leaderboard.main([str(results), "--presses", "critical_snapkv"])
+    return code, capsys.readouterr().out
 
 
-def test_leaderboard_check_and_package(tmp_path):
+def test_leaderboard_check_and_package(tmp_path, capsys):
     results = tmp_path / "results_lb"
     make_folder(results, "no_press", 0.0, "None")
     for ratio in RATIOS[:3]:
@@ -46,10 +43,10 @@ def test_leaderboard_check_and_package(tmp_path):
     missing_predictions = results / "ruler__4096__Qwen--Qwen3-8B__critical_snapkv__0.25" / "predictions.csv"
     missing_predictions.rename(tmp_path / "predictions.csv")
 
-    result = check(results)
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "5 configurations expected" in result.stdout
-    problems = [line for line in result.stdout.splitlines() if "INCOMPLETE" in line]
+    code, out = check(results, capsys)
+    assert code == 1, out
+    assert "5 configurations expected" in out
+    problems = [line for line in out.splitlines() if "INCOMPLETE" in line]
     assert len(problems) == 2
     assert "__critical_snapkv__0.25: predictions.csv missing" in problems[0]
     assert "__critical_snapkv__0.88" in problems[1]  # kvpress names ratio 0.875 with two decimals
@@ -60,9 +57,9 @@ def test_leaderboard_check_and_package(tmp_path):
     (broken / "metrics.json").write_text(json.dumps({task: {"string_match": 9.0} for task in RULER_TASKS}))
     config = (broken / "config.yaml").read_text()
     (broken / "config.yaml").write_text(config.replace("<kvpress.CriticalKVPress object at 0x7f>", "CriticalKVPress()"))
-    result = check(results)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "dry run" in result.stdout and "--upload" in result.stdout
+    code, out = check(results, capsys)
+    assert code == 0, out
+    assert "dry run" in out and "--upload" in out
     packaged = sorted(p.relative_to(results / "submission") for p in (results / "submission").rglob("*") if p.is_file())
     assert len(packaged) == 15 and all(p.parts[0] == "benchmark" for p in packaged)
     assert Path("benchmark/ruler__4096__Qwen--Qwen3-8B__no_press__0.00/metrics.json") in packaged
