@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from filelock import FileLock, Timeout
 from tqdm import tqdm
 
 from evaluation.presets import Job
@@ -97,9 +98,21 @@ def _set_aside_incomplete(output_dir: Path, name: str) -> None:
         logger.warning("moved the incomplete results folder %s to %s", folder, aside)
 
 
+@dataclass
 class _Running:
-    def __init__(self, job: Job, process: subprocess.Popen, devices: list[str], log: Path, staging: Path, t0: float):
-        self.job, self.process, self.devices, self.log, self.staging, self.t0 = job, process, devices, log, staging, t0
+    """A job being run by a worker process."""
+
+    job: Job
+    process: subprocess.Popen
+    devices: list[str]
+    log: Path
+    staging: Path
+    job_file: Path
+    t0: float
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.job_file.unlink(missing_ok=True)
 
 
 def run_sweep(
@@ -131,6 +144,18 @@ def run_sweep(
     """
     output_dir = Path(output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(output_dir / ".sweep.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise RuntimeError(f"another sweep is running on {output_dir}; wait for it or use another output folder")
+    try:
+        return _run_sweep(jobs, output_dir, worker_extra, gpus, cpu_workers, threads_per_job, poll_s)
+    finally:
+        lock.release()
+
+
+def _run_sweep(jobs, output_dir: Path, worker_extra, gpus, cpu_workers, threads_per_job, poll_s) -> SweepReport:
     for sub in ("logs", ".staging", ".jobs"):
         (output_dir / sub).mkdir(exist_ok=True)
     report = SweepReport()
@@ -176,7 +201,7 @@ def run_sweep(
                     continue
                 running.remove(run)
                 free.extend(run.devices)
-                shutil.rmtree(run.staging, ignore_errors=True)
+                run.cleanup()
                 _finish(run, code, output_dir, report)
                 bar.update(1)
                 bar.set_postfix(done=len(report.done), failed=len(report.failed))
@@ -185,7 +210,7 @@ def run_sweep(
         for run in running:  # interrupted: stop our own workers, drop their partial output
             run.process.terminate()
             run.process.wait()
-            shutil.rmtree(run.staging, ignore_errors=True)
+            run.cleanup()
             logger.warning("interrupted %s (not finished, will run again next time)", run.job.name)
     return report
 
@@ -221,7 +246,7 @@ def _launch(job: Job, devices: list[str], on_gpu: bool, output_dir: Path, extra:
             cwd=REPO_ROOT,
         )
     logger.info("started %s on %s", job.name, ",".join(devices))
-    return _Running(job, process, devices, log, staging, time.time())
+    return _Running(job, process, devices, log, staging, Path(job_file), time.time())
 
 
 def _finish(run: _Running, code: int, output_dir: Path, report: SweepReport) -> None:

@@ -184,3 +184,14 @@ def test_default_preset_is_smoke_without_gpu_or_network(monkeypatch):
     assert run.default_preset()[0] == "smoke" and not run.network_available()
     monkeypatch.setattr(run, "network_available", lambda: True)
     assert run.default_preset()[0] == "paper"
+
+
+def test_one_sweep_at_a_time_per_output_folder(tmp_path):
+    from filelock import FileLock
+
+    from evaluation.sweep import run_sweep
+
+    assert run_sweep([], tmp_path).ok  # nothing to do
+    with FileLock(str(tmp_path / ".sweep.lock")):
+        with pytest.raises(RuntimeError, match="another sweep is running"):
+            run_sweep([], tmp_path)
