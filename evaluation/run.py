@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n-samples", type=int, help="samples per task of generated datasets")
     parser.add_argument("--fraction", type=float, help="fraction of each dataset (kvpress's option)")
     parser.add_argument("--max-new-tokens", type=int, help="kvpress's max_new_tokens (default: per task)")
-    parser.add_argument("--device", help="device for CPU runs (GPU runs get one GPU per job)")
+    parser.add_argument("--device", help="'cpu' runs on CPU (--workers jobs); otherwise each job gets its GPU(s)")
     parser.add_argument("--gpus", help="comma-separated GPU ids to use (default: all visible)")
     parser.add_argument("--workers", type=int, default=1, help="parallel jobs without GPUs (default 1)")
     parser.add_argument("--threads", type=int, help="torch threads per CPU job (default: CPUs // workers)")
@@ -208,7 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  [{status}] {job.describe():<70} {job.name}")
         return 0
 
-    gpus = _split(args.gpus) if args.gpus else gpu_ids()
+    if preset.config.get("device") == "cpu":  # the preset (or --device cpu) asks for CPU even where GPUs exist
+        gpus = []
+    else:
+        gpus = _split(args.gpus) if args.gpus else gpu_ids()
     # config.yaml records the output folder as the user gave it (not this machine's absolute path)
     label = args.output_dir or preset.output_dir
     extra = {"datasets": datasets, "kvpress_eval_dir": str(kv.folder), "output_dir_label": label}
