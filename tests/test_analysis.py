@@ -145,20 +145,20 @@ def test_measures_match_a_direct_computation():
         w = weight[:, h * d : (h + 1) * d].T.double()
         proj = values[g].double() @ w  # (T, D)
         norms = proj.abs().sum(-1)
-        for l in range(n_queries):
-            n_seen = n_context + l + 1
-            logits = (keys[g, :n_seen].double() @ query[h, l].double()) * d**-0.5
+        for q in range(n_queries):
+            n_seen = n_context + q + 1
+            logits = (keys[g, :n_seen].double() @ query[h, q].double()) * d**-0.5
             attention = logits.softmax(-1)
             kept = torch.cat([keep[g], torch.ones(n_queries, dtype=torch.bool)])[:n_seen]
             compressed = logits[kept].softmax(-1)
             actual = (attention @ proj[:n_seen] - compressed @ proj[:n_seen][kept]).abs().sum()
             s = attention[kept].sum()
             c, x = (attention * norms[:n_seen]).sum(), (attention * norms[:n_seen])[~kept].sum()
-            torch.testing.assert_close(measure.actual[h, l], actual, rtol=1e-6, atol=1e-9)
-            torch.testing.assert_close(measure.retained[h, l], s)
-            torch.testing.assert_close(measure.theta[h, l], theta_bound(s, c, x), rtol=1e-5, atol=1e-9)
+            torch.testing.assert_close(measure.actual[h, q], actual, rtol=1e-6, atol=1e-9)
+            torch.testing.assert_close(measure.retained[h, q], s)
+            torch.testing.assert_close(measure.theta[h, q], theta_bound(s, c, x), rtol=1e-5, atol=1e-9)
             torch.testing.assert_close(
-                measure.theta_prev[h, l], theta_prev_bound(s, norms[:n_seen].max()), rtol=1e-5, atol=1e-9
+                measure.theta_prev[h, q], theta_prev_bound(s, norms[:n_seen].max()), rtol=1e-5, atol=1e-9
             )
 
 
@@ -180,3 +180,21 @@ def test_summary_table_and_comparisons():
     assert [r["cache_size"] for r in rows] == [0.2] * 4 + [0.5] * 4
     assert all(r["actual"] <= r["theta"] for r in rows)
     assert markdown_table(summary).count("\n") == 2 + len(rows)
+
+
+def test_run_folder_is_atomic_and_never_overwrites(tmp_path):
+    from kvpress_critical.analysis.output import RunFolder
+
+    with RunFolder(tmp_path, "run") as run:
+        (run.tmp / "a.txt").write_text("1")
+        assert not (tmp_path / "run").exists()  # nothing visible before the end
+    assert run.path == tmp_path / "run" and (run.path / "a.txt").read_text() == "1"
+    with RunFolder(tmp_path, "run") as again:
+        (again.tmp / "a.txt").write_text("2")
+    assert again.path == tmp_path / "run-1" and (run.path / "a.txt").read_text() == "1"
+    with pytest.raises(RuntimeError):
+        with RunFolder(tmp_path, "run") as failed:
+            (failed.tmp / "a.txt").write_text("3")
+            raise RuntimeError("interrupted")
+    assert failed.path is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "run-1"]

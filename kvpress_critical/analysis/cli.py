@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-plots", action="store_true", help="skip the figures")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -105,6 +106,16 @@ def main(argv=None) -> "RunFolder":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(args.seed)
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args, argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args, argv) -> RunFolder:
     started = time.time()
 
     model, tokenizer, model_name = load_model(args.model, _DTYPES[args.dtype], args.device)

@@ -24,7 +24,12 @@ def plot_reduction_maps(results: list[SampleResult], pairs: list[PressPair], pat
     modes = sorted({p.mode for p in pairs})
     ratios = sorted({p.ratio for p in pairs})
     fig, axes = plt.subplots(
-        len(modes), len(ratios), figsize=(3.2 * len(ratios) + 1, 4.5 * len(modes)), squeeze=False, sharey=True
+        len(modes),
+        len(ratios),
+        figsize=(3.2 * len(ratios) + 1.5, 4.8 * len(modes)),
+        squeeze=False,
+        sharey=True,
+        layout="constrained",
     )
     image = None
     for pair in pairs:

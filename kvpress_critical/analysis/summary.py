@@ -164,7 +164,8 @@ def summarize(results: list[SampleResult], pairs: list[PressPair], config: dict 
         "definitions": {
             "actual": "||o - ô||_1 per query head, o = (A V) W_O^h with the full cache, ô the same query's attention "
             "over the kept entries; queries, keys and values from the full-cache run (local, exact)",
-            "end_to_end": "the same norm with ô taken from the compressed run itself (errors of earlier layers propagate)",
+            "end_to_end": "the same norm with ô taken from the compressed run itself "
+            "(errors of earlier layers propagate)",
             "theta": "(1/s - 1) C + (2 - 1/s) X with the full-cache attention of the same query; actual <= theta",
             "theta_prev": "2 (1 - s) max_j N_j (attention-only bound)",
             "retained": "s, the attention mass of the kept entries (post-context entries always count as kept)",
