@@ -43,6 +43,19 @@ def test_samples_are_tokenized_like_the_pipeline(smollm2, data_file):
     # the chat template's user turn ends the context; the question is not part of it
     assert "red gate?" not in tokenizer.decode(samples[0].context_ids[0])
     assert "red gate?" in tokenizer.decode(samples[0].question_ids[0])
+    aware = samples_from_rows(load_rows(str(data_file), tokenizer), tokenizer, query_aware=True)[0]
+    assert "red gate?" in tokenizer.decode(aware.context_ids[0])  # compressed with the context
+    assert "red gate?" not in tokenizer.decode(aware.question_ids[0])
+    assert tokenizer.decode(aware.question_ids[0]).endswith("Answer:")
+
+
+def test_smoke_data_is_the_ruler_generator(smollm2):
+    pytest.importorskip("kvpress_critical.data.ruler")
+    _, tokenizer = smollm2
+    rows = load_rows("smoke", tokenizer, context_length=256, n_samples=1, tasks=["niah_single_1", "vt"])
+    samples = samples_from_rows(rows, tokenizer)
+    assert [s.name for s in samples] == ["niah_single_1/0", "vt/1"]
+    assert all(s.answer_ids is not None and s.context_ids.shape[1] > 64 for s in samples)
 
 
 def test_cli_writes_summary_table_and_plots_without_overwriting(data_file, tmp_path):

@@ -70,10 +70,15 @@ class PressSelection:
 
     def cache(self) -> DynamicCache:
         """A fresh cache holding this press's compressed context."""
-        cache = DynamicCache()
-        for idx, layer in enumerate(self.layers):
-            cache.update(layer.keys, layer.values, idx)
-        return cache
+        return cache_from_layers([(layer.keys, layer.values) for layer in self.layers])
+
+
+def cache_from_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A fresh ``DynamicCache`` holding ``(keys, values)`` per layer (later updates do not modify them)."""
+    cache = DynamicCache()
+    for idx, (keys, values) in enumerate(layers):
+        cache.update(keys, values, idx)
+    return cache
 
 
 @contextmanager
@@ -279,6 +284,7 @@ __all__ = [
     "LayerSelection",
     "PressSelection",
     "attention_modules",
+    "cache_from_layers",
     "capture_attention",
     "forward_with_cache",
     "prefill_with_presses",

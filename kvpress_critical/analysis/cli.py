@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--press", choices=sorted(BASE_PRESSES), default="snapkv", help="base press")
     parser.add_argument("--modes", type=_names, default=["kv", "adakv"], help=f"comma-separated, from {sorted(MODES)}")
     parser.add_argument("--ratios", type=_floats, default=[0.5, 0.8], help="comma-separated compression ratios")
+    parser.add_argument(
+        "--query-aware",
+        action="store_true",
+        help="compress the question with the context (the paper's setting) instead of context-only (kvpress's)",
+    )
     parser.add_argument("--max-answer-tokens", type=int, default=16, help="teacher-forced answer tokens per sample")
     parser.add_argument("--out", default="analysis_results", help="parent folder of the run folder")
     parser.add_argument("--name", default=None, help="run folder name (default: a timestamp; never overwritten)")
@@ -127,7 +132,7 @@ def _run(args, argv) -> RunFolder:
         tasks=args.tasks,
         seed=args.seed,
     )
-    samples = samples_from_rows(rows, tokenizer, max_answer_tokens=args.max_answer_tokens)
+    samples = samples_from_rows(rows, tokenizer, max_answer_tokens=args.max_answer_tokens, query_aware=args.query_aware)
     if not samples:
         raise SystemExit(f"no samples in {args.data!r}")
     pairs = press_pairs(args.press, args.ratios, modes=args.modes)
@@ -151,6 +156,7 @@ def _run(args, argv) -> RunFolder:
         "modes": args.modes,
         "ratios": args.ratios,
         "max_answer_tokens": args.max_answer_tokens,
+        "compression": "query-aware (question compressed with the context)" if args.query_aware else "context-only",
         "dtype": args.dtype,
         "device": args.device,
         "seed": args.seed,

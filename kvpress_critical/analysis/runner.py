@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from kvpress_critical.analysis.bounds import layer_reference, measure_selection, project_heads
 from kvpress_critical.analysis.capture import (
     attention_modules,
+    cache_from_layers,
     capture_attention,
     forward_with_cache,
     prefill_with_presses,
@@ -70,17 +70,10 @@ class SampleResult:
     reference_error: float = 0.0  # max |model head output - recomputed full-cache head output|
 
 
-def _cache_copy(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    cache = DynamicCache()
-    for idx, (keys, values) in enumerate(layers):
-        cache.update(keys, values, idx)
-    return cache
-
-
 @torch.no_grad()
 def _greedy_answer(model, context_layers, question_ids, n_context: int, max_new_tokens: int) -> torch.Tensor:
     """Greedy full-cache answer (used when a sample has no reference answer)."""
-    cache = _cache_copy(context_layers)
+    cache = cache_from_layers(context_layers)
     ids, generated = question_ids, []
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])

@@ -53,7 +53,11 @@ def _first_answer(answer) -> str | None:
 
 
 def samples_from_rows(
-    rows: pd.DataFrame, tokenizer, max_answer_tokens: int = 16, max_context_length: int | None = None
+    rows: pd.DataFrame,
+    tokenizer,
+    max_answer_tokens: int = 16,
+    max_context_length: int | None = None,
+    query_aware: bool = False,
 ) -> list[Sample]:
     """
     Tokenize text rows with kvpress's pipeline preprocessing.
@@ -69,6 +73,10 @@ def samples_from_rows(
         Teacher-forced answer tokens kept per sample.
     max_context_length : int, optional
         Truncate contexts to this many tokens (the pipeline's ``max_context_length``).
+    query_aware : bool
+        Append the question to the context, so that it is compressed with it (and sits in SnapKV's
+        observation window, as in the paper's perturbation experiments); only the template suffix and
+        the answer prefix follow the compressed part. Default: context-only compression (kvpress).
     """
     # KVPressTextGenerationPipeline.preprocess only reads self.tokenizer
     pipe = SimpleNamespace(tokenizer=tokenizer)
@@ -77,9 +85,10 @@ def samples_from_rows(
     for idx, row in enumerate(rows.to_dict("records")):
         prefix = row.get("answer_prefix") or ""
         prefix = "" if isinstance(prefix, float) else prefix
-        encoded = KVPressTextGenerationPipeline.preprocess(
-            pipe, row["context"], [row["question"]], prefix, max_context_length
-        )
+        context, question = row["context"], row["question"]
+        if query_aware:
+            context, question = f"{context}\n{question}", ""
+        encoded = KVPressTextGenerationPipeline.preprocess(pipe, context, [question], prefix, max_context_length)
         answer = _first_answer(row.get("answer"))
         answer_ids = None
         if answer is not None:
