@@ -141,7 +141,8 @@ def layer_reference(
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     # query l (absolute index n_context + l) sees every context entry and the query entries up to itself
-    visible = torch.arange(n_total).unsqueeze(0) <= n_context + torch.arange(n_queries).unsqueeze(1)  # (L, T)
+    positions = torch.arange(n_total, device=query.device)
+    visible = positions.unsqueeze(0) <= n_context + positions[:n_queries].unsqueeze(1)  # (L, T)
     logits = logits.masked_fill(~visible, float("-inf"))
     attention = logits.softmax(dim=-1)
 
@@ -169,7 +170,7 @@ def layer_reference(
 def _extend_mask(ref: LayerReference, context_mask: torch.Tensor) -> torch.Tensor:
     """``(H_kv, n_context)`` context mask -> ``(H, T)``, the query entries always set."""
     per_head = _per_query_head(context_mask.bool(), ref.num_heads)
-    tail = torch.ones(ref.num_heads, ref.logits.shape[-1] - ref.n_context, dtype=torch.bool)
+    tail = torch.ones(ref.num_heads, ref.logits.shape[-1] - ref.n_context, dtype=torch.bool, device=per_head.device)
     return torch.cat([per_head, tail], dim=-1)
 
 

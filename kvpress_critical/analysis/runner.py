@@ -167,14 +167,15 @@ def analyze_sample(
         stage1 = out["stage1"]
         kept = sum(int(layer.keep.sum()) for layer in selection.layers)
         total = sum(layer.keep.numel() for layer in selection.layers)
+        fidelity = next_token_fidelity(full_logits, compressed[name][0], answer_ids[0], first)
         result.presses[name] = PressResult(
-            actual=torch.stack(out["actual"]),
-            theta=torch.stack(out["theta"]),
-            theta_prev=torch.stack(out["theta_prev"]),
-            retained=torch.stack(out["retained"]),
-            retained_stage1=None if any(s is None for s in stage1) else torch.stack(stage1),
-            end_to_end=torch.stack(out["e2e"]),
-            fidelity=next_token_fidelity(full_logits, compressed[name][0], answer_ids[0], first),
+            actual=torch.stack(out["actual"]).cpu(),
+            theta=torch.stack(out["theta"]).cpu(),
+            theta_prev=torch.stack(out["theta_prev"]).cpu(),
+            retained=torch.stack(out["retained"]).cpu(),
+            retained_stage1=None if any(s is None for s in stage1) else torch.stack(stage1).cpu(),
+            end_to_end=torch.stack(out["e2e"]).cpu(),
+            fidelity=Fidelity(**{k: v.cpu() for k, v in vars(fidelity).items()}),
             kept_fraction=kept / total,
         )
     return result
