@@ -90,6 +90,10 @@ def load_model(model: str, dtype: torch.dtype, device: str):
     return loaded.to(device).eval(), AutoTokenizer.from_pretrained(model), model
 
 
+def _rounded(rows: list) -> list:
+    return [[float(f"{x:.5g}") for x in row] for row in rows]
+
+
 def per_head(results, pairs) -> dict:
     """Per-head means over samples (first decoded token), for every press and every pair's reduction."""
     presses = {}
@@ -97,11 +101,12 @@ def per_head(results, pairs) -> dict:
         for name in (pair.base_name, pair.critical_name):
             key = label(name, pair.ratio)
             presses[key] = {
-                metric: head_means(results, key, metric, "first_token").mean(0).tolist()
+                metric: _rounded(head_means(results, key, metric, "first_token").mean(0).tolist())
                 for metric in ("actual", "theta", "theta_prev", "end_to_end")
             }
     reductions = {
-        f"{label(p.critical_name, p.ratio)} vs {p.base_name}": reduction_map(results, p).tolist() for p in pairs
+        f"{label(p.critical_name, p.ratio)} vs {p.base_name}": _rounded(reduction_map(results, p).tolist())
+        for p in pairs
     }
     return {"layout": "[layer][query head]", "presses": presses, "reduction": reductions}
 

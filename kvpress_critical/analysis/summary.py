@@ -140,6 +140,7 @@ def summarize(results: list[SampleResult], pairs: list[PressPair], config: dict 
         for view in VIEWS:
             comparison[view] = _comparison(results, base, crit, "actual", view)
         comparison["end_to_end_first_token"] = _comparison(results, base, crit, "end_to_end", "first_token")
+        comparison["theta_first_token"] = _comparison(results, base, crit, "theta", "first_token")
         comparison["kl"] = {"base": presses[base]["fidelity"]["kl"], "critical": presses[crit]["fidelity"]["kl"]}
         comparison["loglik_gap"] = {
             "base": presses[base]["fidelity"]["loglik_gap"],
