@@ -68,9 +68,8 @@ def first_stage_mask(base_scores: torch.Tensor, projected_norm: torch.Tensor, n_
     (e.g. SnapKV's observation window) are taken in order of decreasing projected norm: for a fixed
     retained mass, that minimises the evicted ``sum A_i N_i`` in the perturbation bound.
     """
-    if not isinstance(n_first, torch.Tensor):
-        n_first = torch.tensor(n_first, device=base_scores.device)
-    return descending_rank(base_scores, projected_norm) < n_first.unsqueeze(-1)
+    rank = descending_rank(base_scores, projected_norm)
+    return rank < (n_first.unsqueeze(-1) if isinstance(n_first, torch.Tensor) else n_first)
 
 
 def critical_scores(
