@@ -1,20 +1,21 @@
 # kvpress-critical: every target installs what it needs into .venv first (CPU torch by default).
 #   make demo      install + run the main job on the embedded SmolLM2 model
 #   make test      install + run the test suite
+#   make analysis  install + perturbation analysis on the embedded SmolLM2 (ANALYSIS_ARGS="--ratios 0.5,0.8 ...")
 # On a GPU machine: make install TORCH_SPEC=torch   (any CUDA build of torch >= 2.4)
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,eval,triton
+EXTRAS ?= dev,eval,triton,analysis
 STAMP := $(VENV)/.installed
 
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_VERBOSITY ?= error
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test lint format clean
+.PHONY: install demo test analysis lint format clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +29,9 @@ install: $(STAMP)
 
 demo: install
 	$(PY) -m kvpress_critical.demo $(DEMO_ARGS)
+
+analysis: install
+	$(PY) -m kvpress_critical.analysis $(ANALYSIS_ARGS)
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
