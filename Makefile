@@ -1,6 +1,7 @@
 # kvpress-critical: every target installs what it needs into .venv first (CPU torch by default).
 #   make demo      install + run the main job on the embedded SmolLM2 model
 #   make test      install + run the test suite
+#   make analysis  install + perturbation analysis on the embedded SmolLM2 (ANALYSIS_ARGS="--ratios 0.5,0.8 ...")
 #   make eval-smoke  install + run the smoke evaluation sweep (CPU, embedded SmolLM2, kvpress's own runner)
 #   make eval-dry-run  the job list of the default evaluation preset (EVAL_ARGS="--preset paper" etc.)
 # On a GPU machine: make install TORCH_SPEC=torch   (any CUDA build of torch >= 2.4)
@@ -9,7 +10,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,eval,triton
+EXTRAS ?= dev,eval,triton,analysis
 EVAL_WORKERS ?= 2
 EVAL_THREADS ?= 1
 STAMP := $(VENV)/.installed
@@ -18,7 +19,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_VERBOSITY ?= error
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test lint format clean eval-smoke eval-dry-run
+.PHONY: install demo test analysis lint format clean eval-smoke eval-dry-run
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +33,9 @@ install: $(STAMP)
 
 demo: install
 	$(PY) -m kvpress_critical.demo $(DEMO_ARGS)
+
+analysis: install
+	$(PY) -m kvpress_critical.analysis $(ANALYSIS_ARGS)
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -22,13 +22,42 @@ BASE_PRESSES = {
     "knorm": lambda ratio: KnormPress(ratio),
 }
 
-_SUBJECTS = ["The old lighthouse", "A quiet river", "The village baker", "Our science teacher", "The night train",
-             "A curious fox", "The mountain road", "The city library", "An autumn storm", "The market square"]
-_VERBS = ["watched over", "wound slowly past", "talked about", "was known for", "rattled through",
-          "wandered near", "climbed toward", "kept records of", "swept across", "filled up with"]
-_OBJECTS = ["the sleeping harbour", "fields of golden wheat", "stories of distant travellers", "warm bread at dawn",
-            "the valley before sunrise", "the edge of the forest", "forgotten maps", "every rooftop in town",
-            "merchants and musicians", "the first snow of the year"]
+_SUBJECTS = [
+    "The old lighthouse",
+    "A quiet river",
+    "The village baker",
+    "Our science teacher",
+    "The night train",
+    "A curious fox",
+    "The mountain road",
+    "The city library",
+    "An autumn storm",
+    "The market square",
+]
+_VERBS = [
+    "watched over",
+    "wound slowly past",
+    "talked about",
+    "was known for",
+    "rattled through",
+    "wandered near",
+    "climbed toward",
+    "kept records of",
+    "swept across",
+    "filled up with",
+]
+_OBJECTS = [
+    "the sleeping harbour",
+    "fields of golden wheat",
+    "stories of distant travellers",
+    "warm bread at dawn",
+    "the valley before sunrise",
+    "the edge of the forest",
+    "forgotten maps",
+    "every rooftop in town",
+    "merchants and musicians",
+    "the first snow of the year",
+]
 
 
 def haystack_context(tokenizer, n_tokens: int, needle: str, depth: float = 0.5, seed: int = 0) -> str:
@@ -36,9 +65,7 @@ def haystack_context(tokenizer, n_tokens: int, needle: str, depth: float = 0.5, 
     rng = random.Random(seed)
     sentences = []
     while len(tokenizer(" ".join(sentences)).input_ids) < n_tokens:
-        sentences.extend(
-            f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}." for _ in range(20)
-        )
+        sentences.extend(f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}." for _ in range(20))
     sentences.insert(int(len(sentences) * depth), needle)
     return " ".join(sentences)
 
@@ -94,8 +121,10 @@ def main(argv=None) -> None:
         f"AdaKV({args.base})": AdaKVPress(base(args.ratio)),
         f"CriticalAdaKV({args.base})": CriticalAdaKVPress(base(args.ratio), norm=args.norm, backend=args.backend),
     }
-    print(f"kvpress-critical demo: {DEFAULT_MODEL_NAME} (embedded), {model.device}, {model.dtype}, "
-          f"attention={model.config._attn_implementation}, threads={torch.get_num_threads()}")
+    print(
+        f"kvpress-critical demo: {DEFAULT_MODEL_NAME} (embedded), {model.device}, {model.dtype}, "
+        f"attention={model.config._attn_implementation}, threads={torch.get_num_threads()}"
+    )
     print(f"context: {n_tokens} tokens, needle at 50% depth; question: {question!r}; expected: 'violet-harbor-42'")
     print(f"compression ratio {args.ratio}, norm {args.norm}, backend {args.backend}\n")
     header = f"{'press':<26} {'evicted':>8} {'prefill s':>10} {'total s':>8}  answer"

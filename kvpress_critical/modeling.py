@@ -39,7 +39,11 @@ def get_o_proj(module: nn.Module) -> nn.Module:
 
 
 def _float8_dtypes() -> tuple[torch.dtype, ...]:
-    return tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
+    return tuple(
+        getattr(torch, n)
+        for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+        if hasattr(torch, n)
+    )
 
 
 def _dequantize(linear: nn.Module) -> torch.Tensor | None:

@@ -44,19 +44,32 @@ def safeguard_budget(n_kept: int, alpha_safeguard: float) -> int:
     return n_safe
 
 
-def descending_rank(scores: torch.Tensor) -> torch.Tensor:
-    """Rank of every entry along the last dim (0 = highest); ties broken by position (stable)."""
-    order = scores.argsort(dim=-1, descending=True, stable=True)
+def descending_rank(scores: torch.Tensor, tiebreak: torch.Tensor | None = None) -> torch.Tensor:
+    """
+    Rank of every entry along the last dim (0 = highest).
+
+    Equal ``scores`` are ordered by ``tiebreak`` (higher first) when given, then by position, so the
+    result is deterministic on every device.
+    """
+    if tiebreak is None:
+        order = scores.argsort(dim=-1, descending=True, stable=True)
+    else:
+        by_tiebreak = tiebreak.argsort(dim=-1, descending=True, stable=True)
+        order = by_tiebreak.gather(-1, scores.gather(-1, by_tiebreak).argsort(dim=-1, descending=True, stable=True))
     positions = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
     return torch.empty_like(order).scatter_(-1, order, positions)
 
 
-def first_stage_mask(base_scores: torch.Tensor, n_first: int) -> torch.Tensor:
-    """Boolean ``(B, H_kv, T)`` mask of each head's top ``n_first`` entries by base score."""
-    mask = torch.zeros_like(base_scores, dtype=torch.bool)
-    if n_first > 0:
-        mask.scatter_(-1, base_scores.topk(n_first, dim=-1).indices, True)
-    return mask
+def first_stage_mask(base_scores: torch.Tensor, projected_norm: torch.Tensor, n_first) -> torch.Tensor:
+    """
+    Boolean ``(B, H_kv, T)`` mask of each head's top ``n_first`` entries by base score (stage 1).
+
+    ``n_first`` is an int or a ``(B, H_kv)`` tensor of per-head budgets. Entries with equal base scores
+    (e.g. SnapKV's observation window) are taken in order of decreasing projected norm: for a fixed
+    retained mass, that minimises the evicted ``sum A_i N_i`` in the perturbation bound.
+    """
+    rank = descending_rank(base_scores, projected_norm)
+    return rank < (n_first.unsqueeze(-1) if isinstance(n_first, torch.Tensor) else n_first)
 
 
 def critical_scores(
@@ -65,8 +78,8 @@ def critical_scores(
     """
     Scores whose per-head top-``b`` is Algorithm 1 with ``b1 = n_first``.
 
-    Stage-1 entries (the top ``n_first`` by base score) get ``finfo(float32).max``; every other entry
-    gets ``(A_i + epsilon) * N_i``. Keeping the top ``b >= n_first`` of these scores keeps all stage-1
+    Stage-1 entries (:func:`first_stage_mask`) get ``finfo(float32).max``; every other entry gets
+    ``(A_i + epsilon) * N_i``. Keeping the top ``b >= n_first`` of these scores keeps all stage-1
     entries, then the best stage-2 entries.
 
     Parameters
@@ -82,24 +95,27 @@ def critical_scores(
     """
     base = base_scores.float()
     scores = (base + epsilon) * projected_norm
-    return scores.masked_fill_(first_stage_mask(base, n_first), _MAX)
+    return scores.masked_fill_(first_stage_mask(base, projected_norm, n_first), _MAX)
 
 
-def adaptive_head_budgets(base_scores: torch.Tensor, n_kept: int, alpha_safeguard: float) -> torch.Tensor:
+def adaptive_head_budgets(
+    base_scores: torch.Tensor, n_kept: int, alpha_safeguard: float, projected_norm: torch.Tensor | None = None
+) -> torch.Tensor:
     """
     AdaKV head-wise budgets, per batch row: ``(B, H_kv)`` int64 summing to ``n_kept * H_kv`` in each row.
 
     Every head's top ``safeguard_budget(n_kept, alpha_safeguard)`` entries are boosted, then the
-    ``n_kept * H_kv`` best entries of the row (over all heads) decide how many each head gets.
+    ``n_kept * H_kv`` best entries of the row (over all heads) decide how many each head gets. Equal
+    scores are ordered by ``projected_norm`` when given, then by position.
     """
     bsz, num_kv_heads, k_len = base_scores.shape
     boosted = base_scores.float()
     n_safe = safeguard_budget(n_kept, alpha_safeguard)
     if n_safe > 0:
-        boosted = boosted.scatter(-1, boosted.topk(n_safe, dim=-1).indices, _MAX)
-    top = boosted.reshape(bsz, -1).topk(n_kept * num_kv_heads, dim=-1).indices  # (B, n_kept * H_kv)
-    budgets = torch.zeros(bsz, num_kv_heads, dtype=torch.int64, device=base_scores.device)
-    return budgets.scatter_add_(1, top // k_len, torch.ones_like(top))
+        boosted = boosted.masked_fill(descending_rank(boosted, projected_norm) < n_safe, _MAX)
+    flat_tiebreak = None if projected_norm is None else projected_norm.reshape(bsz, -1)
+    top = descending_rank(boosted.reshape(bsz, -1), flat_tiebreak) < n_kept * num_kv_heads  # (B, H_kv * T)
+    return top.view(bsz, num_kv_heads, k_len).sum(-1)
 
 
 def critical_adakv_keep_mask(
@@ -115,7 +131,8 @@ def critical_adakv_keep_mask(
 
     Per batch row and KV head with budget ``b_h`` (:func:`adaptive_head_budgets`): stage 1 keeps the top
     ``max(n_safe, floor(first_stage_ratio * b_h))`` entries by base score, stage 2 fills the head up to
-    ``b_h`` with the highest ``(A_i + epsilon) * N_i`` among the rest.
+    ``b_h`` with the highest ``(A_i + epsilon) * N_i`` among the rest. Equal base scores are ordered by
+    ``N`` (see :func:`first_stage_mask`), so the result does not depend on ``torch.topk`` internals.
 
     Returns
     -------
@@ -127,10 +144,10 @@ def critical_adakv_keep_mask(
         ``(B, H_kv)`` int64 head budgets.
     """
     base = base_scores.float()
-    budgets = adaptive_head_budgets(base, n_kept, alpha_safeguard)
+    budgets = adaptive_head_budgets(base, n_kept, alpha_safeguard, projected_norm)
     n_safe = safeguard_budget(n_kept, alpha_safeguard)
     n_first = (budgets * first_stage_ratio).long().clamp_(min=n_safe)  # (B, H_kv)
-    stage1 = descending_rank(base) < n_first.unsqueeze(-1)
+    stage1 = first_stage_mask(base, projected_norm, n_first)
     stage2_scores = ((base + epsilon) * projected_norm).masked_fill_(stage1, _MAX)
     keep = descending_rank(stage2_scores) < budgets.unsqueeze(-1)
     return keep, stage1, budgets

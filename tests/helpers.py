@@ -42,14 +42,15 @@ def _match_rows(kept: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def kept_masks(model, input_ids, press):
+def kept_masks(model, input_ids, press, original=None):
     """
     Per layer, a boolean (B, H_kv, T) mask of the entries ``press`` keeps after prefilling ``input_ids``.
 
     Pruning presses are observed through the cache they leave; head-wise presses (AdaKV family)
-    through the ``masked_key_indices`` they set.
+    through the ``masked_key_indices`` they set. ``original`` (the keys of a full-cache prefill of the
+    same input) can be passed to save a forward pass.
     """
-    original = prefill_keys(model, input_ids)
+    original = prefill_keys(model, input_ids) if original is None else original
     compressed = prefill_keys(model, input_ids, press)
     masks = []
     for layer, (orig, comp) in enumerate(zip(original, compressed)):
@@ -108,6 +109,13 @@ def tiny_model(
         ),
     }[family]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**common, **extra)).to(dtype).eval()
+    model = model_cls(config_cls(**common, **extra))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:  # trained norms are not constant: constant q/k norms would tie every key norm
+                param.add_(0.3 * torch.randn_like(param))
+            elif any(p in name for p in ("q_proj", "k_proj", "qkv_proj")):  # peaky attention, as in trained models
+                param.mul_(4.0)
+    model = model.to(dtype).eval()
     _MODEL_CACHE[key] = model
     return model

@@ -1,0 +1,4 @@
+from kvpress_critical.analysis.cli import main
+
+if __name__ == "__main__":
+    main()
