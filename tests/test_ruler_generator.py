@@ -1,5 +1,6 @@
 """The offline RULER-style generator: format, determinism, answers in context, lengths, local dataset folder."""
 
+import hashlib
 import re
 from collections import Counter
 
@@ -77,6 +78,21 @@ def test_deterministic_and_seeded(tokenizer, dataset):
     subset = generate_ruler_dataset(tokenizer, context_length=1024, n_samples=3, tasks=["vt", "qa_2"], seed=0)
     full = dataset[dataset.task.isin(["vt", "qa_2"])].reset_index(drop=True)
     pd.testing.assert_frame_equal(subset, full)
+
+
+def test_data_is_pinned(tokenizer):
+    """The committed perturbation-analysis results were computed on exactly these rows (1024 tokens, 2 per task)."""
+    df = generate_ruler_dataset(tokenizer, context_length=1024, n_samples=2, seed=0)
+    digest = hashlib.sha256(df.to_json(orient="records").encode()).hexdigest()
+    assert digest == "b5b036ac959c5ef268df34fe8a2edb383f0d9831359b35c7c72b4b9a2bd4ca42"
+
+
+def test_short_qa_contexts_use_one_line_documents(tokenizer):
+    df = generate_ruler_dataset(tokenizer, context_length=256, n_samples=3, tasks=["qa_1", "qa_2"], seed=0)
+    counts = [n_tokens(tokenizer, row) for row in df.itertuples()]
+    assert all((1 - LENGTH_TOLERANCE) * 256 <= c <= 256 for c in counts), counts
+    for row in df.itertuples():
+        assert row.answer[0] in row.context
 
 
 def test_tasks_are_answerable(dataset):

@@ -321,7 +321,7 @@ class _World:
         return f"{self.take('town')} lies on the {self.rng.choice(words.RIVERS)} River."
 
 
-def _qa(rng: random.Random, n: int, hops: int) -> Sample:
+def _qa(rng: random.Random, n: int, hops: int, fine: bool = False) -> Sample:
     world = _World(rng)
     if hops == 1:
         kind = rng.choice(("mayor", "job", "founder", "product"))
@@ -346,9 +346,11 @@ def _qa(rng: random.Random, n: int, hops: int) -> Sample:
             person, town, mayor = world.take("person"), world.take("town"), world.take("person")
             gold = [world.person_doc(person, town=town), world.town_doc(town, mayor=mayor)]
             query, answer = f"Who is the mayor of the town where {person} was born?", mayor
-    # n // 3 documents plus n % 3 one-line documents: a fine enough length granularity for short contexts
-    documents = [world.distractor() for _ in range(n // 3)] + [world.short_distractor() for _ in range(n % 3)]
-    rng.shuffle(documents)
+    if fine:  # n // 3 documents plus n % 3 one-line ones: a fine enough length granularity for short contexts
+        documents = [world.distractor() for _ in range(n // 3)] + [world.short_distractor() for _ in range(n % 3)]
+        rng.shuffle(documents)
+    else:
+        documents = [world.distractor() for _ in range(n)]
     for doc in gold:  # each hop lands in its own random place
         documents = _insert(documents, [doc], rng)
     listing = "\n\n".join(f"Document {i + 1}:\n{doc}" for i, doc in enumerate(documents))
@@ -360,21 +362,32 @@ def _qa(rng: random.Random, n: int, hops: int) -> Sample:
     return Sample(context, question, "Answer:", [answer])
 
 
-def _builder(task: str, context_length: int) -> tuple[Callable[[random.Random, int], Sample], int, int]:
-    """``(build(rng, n), smallest n, largest n)`` for ``task``."""
+Builder = tuple[Callable[[random.Random, int], Sample], int, int]
+
+
+def _builders(task: str, context_length: int) -> list[Builder]:
+    """
+    ``[(build(rng, n), smallest n, largest n), ...]`` for ``task``, tried in order until one reaches the length.
+
+    The QA tasks first try whole documents only and fall back to adding one-line documents when whole ones
+    are too coarse to land within the tolerance (short contexts).
+    """
     unbounded = 1 << 30
     if task in _NIAH_SPECS:
         spec = _NIAH_SPECS[task]
-        return (lambda rng, n: _niah(spec, rng, n)), 1, unbounded
+        return [((lambda rng, n: _niah(spec, rng, n)), 1, unbounded)]
     if task == "vt":
-        return _vt, 1, unbounded
+        return [(_vt, 1, unbounded)]
     if task == "cwe":
-        return (lambda rng, n: _cwe(rng, n, context_length)), 1, len(_CWE_VOCABULARY) - 10
+        return [((lambda rng, n: _cwe(rng, n, context_length)), 1, len(_CWE_VOCABULARY) - 10)]
     if task == "fwe":
-        return _fwe, 40, unbounded
+        return [(_fwe, 40, unbounded)]
     if task in ("qa_1", "qa_2"):
         hops = int(task[-1])
-        return (lambda rng, n: _qa(rng, n, hops)), 0, unbounded
+        return [
+            ((lambda rng, n: _qa(rng, n, hops)), 0, unbounded),
+            ((lambda rng, n: _qa(rng, n, hops, fine=True)), 0, unbounded),
+        ]
     raise ValueError(f"unknown RULER task {task!r}; known tasks: {', '.join(RULER_TASKS)}")
 
 
@@ -471,18 +484,21 @@ def generate_ruler_dataset(
     lower = int((1 - LENGTH_TOLERANCE) * context_length)
     rows = []
     for task in tasks:
-        build_task, n_min, n_max = _builder(task, context_length)
+        builders = _builders(task, context_length)
         family = task.split("_")[0]
         budget = int(overrides.get(task, overrides.get(family, MAX_NEW_TOKENS[family])))
-        guess = n_min + 16
+        guesses = [n_min + 16 for _, n_min, _ in builders]
         for index in range(n_samples):
             sample_seed = f"kvpress-critical-ruler/{seed}/{task}/{index}"
+            for variant, (build_task, n_min, n_max) in enumerate(builders):
 
-            def build(n: int, sample_seed: str = sample_seed) -> Sample:
-                return build_task(random.Random(sample_seed), n)
+                def build(n: int, sample_seed: str = sample_seed, build_task=build_task) -> Sample:
+                    return build_task(random.Random(sample_seed), n)
 
-            guess, sample, n_tokens = _fit(build, count, context_length, n_min, n_max, guess)
-            if n_tokens < lower:
+                guesses[variant], sample, n_tokens = _fit(build, count, context_length, n_min, n_max, guesses[variant])
+                if n_tokens >= lower:
+                    break
+            else:
                 raise ValueError(
                     f"{task} sample {index}: could only reach {n_tokens} tokens for context_length={context_length}"
                 )
