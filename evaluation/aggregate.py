@@ -9,11 +9,11 @@ under ``RESULTS_DIR/summary`` by default:
 - ``summary.csv``: per model, benchmark, press and ratio: task scores, LongBench domain averages, the
   average score and the **loss vs full cache** ``(full - x) / full`` (in %, ``full`` = ``no_press``);
 - ``critical_vs_base.csv``: each CriticalKV press next to its base press at the same cache size: both
-  losses, the loss reduction (percentage points and relative) and, where predictions allow it, how many
-  samples each one alone answers correctly;
+  losses, the loss reduction (percentage points and relative) and, where predictions allow it, on how many
+  samples each one scores higher (``evaluation.paired``);
 - ``missing.csv``: every expected cell that has no result (configuration not run, failed or incomplete;
   task missing from a run; no ``no_press`` baseline), never silently dropped;
-- ``tables.md``: the same as markdown tables laid out like the paper's;
+- ``tables.md``: the same as markdown tables laid out like the paper's (``evaluation.report``);
 - ``plots/<model>__<benchmark>.png``: average score vs cache size, one line per press.
 
 A benchmark is ``dataset/data_dir`` for datasets whose metrics hold several tasks (RULER: ``ruler/4096``)
@@ -28,30 +28,18 @@ import json
 import logging
 import math
 import os
-import re
 from pathlib import Path
 
 import pandas as pd
 import yaml
 
+from evaluation.paired import paired_samples
 from evaluation.registry import BASELINE, CRITICAL_BASES
+from evaluation.report import markdown_tables, plot
+from evaluation.tasks import KEYS, LONGBENCH_DOMAINS, task_order
 from evaluation.worker import NON_RESULT_DIRS
-from kvpress_critical.data.ruler import RULER_TASKS
 
 logger = logging.getLogger(__name__)
-
-LONGBENCH_DOMAINS = {
-    "Single-Doc QA": ["narrativeqa", "qasper", "multifieldqa_en"],
-    "Multi-Doc QA": ["hotpotqa", "2wikimqa", "musique"],
-    "Summarization": ["gov_report", "qmsum", "multi_news"],
-    "Few-shot": ["trec", "triviaqa", "samsum"],
-    "Synthetic": ["passage_count", "passage_retrieval_en"],
-    "Code": ["lcc", "repobench-p"],
-}
-LONGBENCH_TASKS = [task for tasks in LONGBENCH_DOMAINS.values() for task in tasks]
-RULER_ORDER = list(RULER_TASKS)  # kvpress's RULER tasks, in the paper's order
-KEYS = ["model", "benchmark", "press", "compression_ratio"]
-_CONTROL = re.compile(r"[\x00-\x1f]")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -146,13 +134,6 @@ def scores_frame(runs: list[dict]) -> pd.DataFrame:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def task_order(tasks) -> list[str]:
-    """Known task orders first (RULER, LongBench by domain), then the others alphabetically."""
-    tasks = set(tasks)
-    known = [t for t in RULER_ORDER + LONGBENCH_TASKS if t in tasks]
-    return known + sorted(tasks - set(known))
-
-
 def loss(full: float, score: float) -> float:
     """Relative loss vs the full cache, in %: ``100 * (full - score) / full`` (NaN without a usable baseline)."""
     if full is None or score is None or not math.isfinite(full) or not math.isfinite(score) or full == 0:
@@ -231,89 +212,6 @@ def critical_vs_base(summary: pd.DataFrame, paired: pd.DataFrame | None = None) 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Per-sample comparison (string-match datasets: the quantity kvpress's RULER scorer averages)
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _answers(value) -> list[str]:
-    """
-    The reference answers of a predictions.csv cell.
-
-    pandas writes the list column as numpy prints it (``['a' 'b']``, no commas; ``ast.literal_eval`` would
-    concatenate the strings), or as a Python list (``['a', 'b']``): the quoted strings are the answers.
-    """
-    if isinstance(value, (list, tuple)):
-        return [str(v) for v in value]
-    text = str(value)
-    quoted = re.findall(r"'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"", text)
-    return [single or double for single, double in quoted] or [text]
-
-
-def sample_matches(predictions: pd.DataFrame) -> pd.Series:
-    """
-    Per-sample string match, the quantity kvpress's RULER scorer averages per task: control characters are
-    removed from the prediction, then the fraction of reference answers it contains (case-insensitive), or
-    whether it contains any of them for ``qa`` tasks.
-    """
-    preds = predictions["predicted_answer"].fillna("").astype(str).map(lambda x: _CONTROL.sub("", x.strip()).strip())
-    refs = predictions["answer"].map(_answers)
-    tasks = predictions["task"] if "task" in predictions.columns else pd.Series("", index=predictions.index)
-    scores = []
-    for pred, ref, task in zip(preds.str.lower(), refs, tasks):
-        hits = [r.lower() in pred for r in ref]
-        scores.append((max(hits) if str(task).startswith("qa") else sum(hits) / len(hits)) if hits else math.nan)
-    return pd.Series(scores, index=predictions.index, dtype=float)
-
-
-def _consistent(predictions: pd.DataFrame, scores: dict[str, float]) -> bool:
-    """Whether per-sample matches average to the run's metrics (else pairing would not mean the same thing)."""
-    per_task = (100 * sample_matches(predictions)).groupby(predictions["task"]).mean().round(2)
-    return all(abs(per_task.get(task, math.nan) - score) < 0.02 for task, score in scores.items())
-
-
-def paired_samples(runs: list[dict]) -> pd.DataFrame:
-    """
-    For each CriticalKV run and its base run on the same string-match data: samples, on how many each one
-    scores higher (per-sample string match), and ties. Runs whose rows do not align are skipped.
-    """
-    by_key = {(r["model"], r["benchmark"], r["press"], r["compression_ratio"]): r for r in runs}
-    rows = []
-    for (model, benchmark, press, ratio), run in by_key.items():
-        base = CRITICAL_BASES.get(press)
-        base_run = by_key.get((model, benchmark, base, ratio))
-        if base_run is None or run["per_task_runs"]:
-            continue
-        try:
-            crit_df = pd.read_csv(Path(run["folder"]) / "predictions.csv")
-            base_df = pd.read_csv(Path(base_run["folder"]) / "predictions.csv")
-        except FileNotFoundError:
-            continue
-        needed = {"predicted_answer", "answer", "task", "question"}
-        if not needed <= set(crit_df.columns) or not needed <= set(base_df.columns) or len(crit_df) != len(base_df):
-            continue
-        if not (crit_df["question"].equals(base_df["question"]) and crit_df["task"].equals(base_df["task"])):
-            continue
-        if not (_consistent(crit_df, run["scores"]) and _consistent(base_df, base_run["scores"])):
-            logger.warning("per-sample matches of %s / %s do not reproduce their metrics: not paired", press, base)
-            continue
-        crit, base_m = sample_matches(crit_df), sample_matches(base_df)
-        rows.append(
-            {
-                "model": model,
-                "benchmark": benchmark,
-                "compression_ratio": ratio,
-                "base": base,
-                "critical": press,
-                "n_samples": len(crit_df),
-                "critical_better": int((crit > base_m).sum()),
-                "base_better": int((crit < base_m).sum()),
-                "ties": int((crit == base_m).sum()),
-            }
-        )
-    return pd.DataFrame(rows)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Missing cells
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -387,163 +285,8 @@ def _row(model, benchmark, press, ratio, task, reason) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Tables and plots
+# Writing
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def _fmt(value, digits: int = 2) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "—"
-    return f"{value:.{digits}f}"
-
-
-def _press_order(presses) -> list[str]:
-    """Base presses in order of appearance, each followed by its CriticalKV variants; no_press first."""
-    presses = list(dict.fromkeys(presses))
-    ordered = [BASELINE] if BASELINE in presses else []
-    for press in presses:
-        if press in ordered or press in CRITICAL_BASES and CRITICAL_BASES[press] in presses:
-            continue
-        ordered.append(press)
-        ordered.extend(p for p in presses if CRITICAL_BASES.get(p) == press and p not in ordered)
-    return ordered + [p for p in presses if p not in ordered]
-
-
-def markdown_tables(summary: pd.DataFrame, comparison: pd.DataFrame, missing: pd.DataFrame) -> str:
-    """Paper-like markdown: per model and benchmark, rows = cache size x press, columns = tasks, avg, loss."""
-    lines = ["# Evaluation summary", ""]
-    lines.append("Scores are kvpress's metrics (RULER: string match, %). Loss = (full - x) / full, in %, vs no_press.")
-    lines.append("Cache = 100 % - compression ratio. — marks a missing cell (see the Missing section).")
-    for (model, benchmark), group in summary.groupby(["model", "benchmark"], sort=False):
-        task_columns = [c for c in group.columns if c in set(RULER_ORDER + LONGBENCH_TASKS)] + [
-            c for c in group.columns if c not in set(RULER_ORDER + LONGBENCH_TASKS) and _is_task_column(c)
-        ]
-        task_columns = task_order([c for c in task_columns if group[c].notna().any()])
-        domains = [d for d in LONGBENCH_DOMAINS if d in group.columns]
-        lines += ["", f"## {model} — {benchmark}", ""]
-        header = ["Cache", "Press"] + task_columns + domains + ["Avg.", "Loss %"]
-        lines.append("| " + " | ".join(header) + " |")
-        lines.append("|" + "---|" * len(header))
-        ordered = group.assign(_order=group["press"].map({p: i for i, p in enumerate(_press_order(group["press"]))}))
-        ordered = ordered.sort_values(["cache_size", "_order"], ascending=[False, True])
-        for _, row in ordered.iterrows():
-            cache = "full" if row["press"] == BASELINE else f"{row['cache_size']:g}%"
-            cells = [cache, row["press"]] + [_fmt(row.get(t)) for t in task_columns + domains]
-            cells += [_fmt(row["average"]), "—" if row["press"] == BASELINE else _fmt(row["loss"])]
-            lines.append("| " + " | ".join(cells) + " |")
-    if not comparison.empty:
-        lines += ["", "## CriticalKV vs its base press", ""]
-        paired = "n_samples" in comparison.columns
-        header = [
-            "Model",
-            "Benchmark",
-            "Cache",
-            "Base",
-            "Critical",
-            "Base avg",
-            "Critical avg",
-            "Base loss %",
-            "Critical loss %",
-            "Loss reduction (pp)",
-            "Relative reduction %",
-        ]
-        if paired:
-            header += ["Samples", "Critical better", "Base better"]
-        lines.append("| " + " | ".join(header) + " |")
-        lines.append("|" + "---|" * len(header))
-        for _, row in comparison.sort_values(["model", "benchmark", "critical", "cache_size"]).iterrows():
-            cells = [
-                row["model"],
-                row["benchmark"],
-                f"{row['cache_size']:g}%",
-                row["base"],
-                row["critical"],
-                _fmt(row["base_score"]),
-                _fmt(row["critical_score"]),
-                _fmt(row["base_loss"]),
-                _fmt(row["critical_loss"]),
-                _fmt(row["loss_reduction_pp"]),
-                _fmt(row["relative_loss_reduction"], 1),
-            ]
-            if paired:
-                cells += [
-                    _fmt(row.get("n_samples"), 0),
-                    _fmt(row.get("critical_better"), 0),
-                    _fmt(row.get("base_better"), 0),
-                ]
-            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-        lines += ["", "Over all cache sizes:", ""]
-        for (model, bench, crit, base), group in comparison.groupby(
-            ["model", "benchmark", "critical", "base"], sort=False
-        ):
-            reduction = _fmt(group["loss_reduction_pp"].mean())
-            text = f"- {crit} vs {base} ({model}, {bench}): mean loss reduction {reduction} pp"
-            if paired and group["n_samples"].notna().all():
-                text += (
-                    f"; per sample, critical better on {int(group['critical_better'].sum())}, base better on "
-                    f"{int(group['base_better'].sum())}, tied on {int(group['ties'].sum())} of "
-                    f"{int(group['n_samples'].sum())}"
-                )
-            lines.append(text)
-    lines += ["", "## Missing", ""]
-    if missing.empty:
-        lines.append("Nothing missing.")
-    else:
-        lines.append("| Model | Benchmark | Press | Ratio | Task | Reason |")
-        lines.append("|---|---|---|---|---|---|")
-        for _, row in missing.iterrows():
-            lines.append(
-                f"| {row['model']} | {row['benchmark']} | {row['press']} | {_fmt(row['compression_ratio'], 3)} | "
-                f"{row['task'] or 'all'} | {row['reason']} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
-def _is_task_column(column: str) -> bool:
-    reserved = (
-        set(KEYS)
-        | {"cache_size", "n_tasks", "n_expected_tasks", "average_available", "average", "full_cache_average", "loss"}
-        | set(LONGBENCH_DOMAINS)
-    )
-    return column not in reserved
-
-
-def plot(summary: pd.DataFrame, folder: Path) -> list[Path]:
-    """Average score vs cache size, one PNG per model and benchmark, one line per press."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    folder.mkdir(parents=True, exist_ok=True)
-    written = []
-    for (model, benchmark), group in summary.groupby(["model", "benchmark"], sort=False):
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for press in _press_order(group["press"]):
-            if press == BASELINE:
-                continue
-            rows = group[(group["press"] == press)].sort_values("cache_size")
-            y = rows["average"].where(rows["average"].notna(), rows["average_available"])
-            style = "-" if press in CRITICAL_BASES else "--"
-            ax.plot(rows["cache_size"], y, style, marker="o", label=press)
-        full = group.loc[group["press"] == BASELINE, "average"]
-        if len(full) and math.isfinite(full.iloc[0]):
-            ax.axhline(full.iloc[0], color="black", linestyle=":", label="full cache")
-        ax.set_xlabel("KV cache size (% of the context kept)")
-        ax.set_ylabel("average score")
-        ax.set_title(f"{model} — {benchmark}", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = folder / f"{_safe(model)}__{_safe(benchmark)}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-    return written
-
-
-def _safe(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")
 
 
 def _write(path: Path, text: str) -> None:

@@ -25,8 +25,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from evaluation.aggregate import RULER_ORDER
 from evaluation.presets import expand, load_preset
+from evaluation.tasks import RULER_ORDER
 from evaluation.worker import RESULT_FILES
 
 logger = logging.getLogger(__name__)

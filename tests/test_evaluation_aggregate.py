@@ -7,7 +7,9 @@ import pandas as pd
 import pytest
 import yaml
 
-from evaluation.aggregate import LONGBENCH_DOMAINS, aggregate, loss, read_runs, sample_matches, scores_frame, summarize
+from evaluation.aggregate import aggregate, loss, read_runs, scores_frame, summarize
+from evaluation.paired import sample_matches
+from evaluation.tasks import LONGBENCH_DOMAINS
 
 MODEL = "org/Model-7B"
 
