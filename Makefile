@@ -38,7 +38,7 @@ EXT_STAMP := kvpress_critical/_ext/build_info.json
 EXT_SOURCES := $(wildcard csrc/*.cpp csrc/*.cu csrc/*.h csrc/*.inc) kvpress_critical/ops/build_extension.py
 
 $(EXT_STAMP): $(STAMP) $(EXT_SOURCES)
-	$(PY) -m kvpress_critical.ops.build_extension
+	$(PY) kvpress_critical/ops/build_extension.py
 
 build: $(EXT_STAMP)
 

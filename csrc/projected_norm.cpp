@@ -26,9 +26,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "checks.h"
@@ -88,15 +88,20 @@ struct KernelIsa {
   const char* name;
 };
 
+// The best micro-kernel the CPU supports, at most KVPRESS_CRITICAL_CPU_ISA ("avx512", "avx2" or "generic") when set.
 const KernelIsa& kernel_isa() {
   static const KernelIsa isa = [] {
+    const char* env = std::getenv("KVPRESS_CRITICAL_CPU_ISA");
+    const std::string cap = env != nullptr ? env : "avx512";
+    TORCH_CHECK(cap == "avx512" || cap == "avx2" || cap == "generic",
+                "kvpress_critical: KVPRESS_CRITICAL_CPU_ISA must be avx512, avx2 or generic, got '", cap, "'");
 #ifdef KVPC_X86_KERNELS
     __builtin_cpu_init();
     const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-    if (avx512 && __builtin_cpu_supports("fma") && !std::getenv("KVPRESS_CRITICAL_CPU_NO_AVX512"))
-      return KernelIsa{avx512::tile, avx512::R, "avx512"};
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return KernelIsa{avx2::tile, avx2::R, "avx2"};
+    const bool fma = __builtin_cpu_supports("fma");
+    if (cap == "avx512" && avx512 && fma) return KernelIsa{avx512::tile, avx512::R, "avx512"};
+    if (cap != "generic" && __builtin_cpu_supports("avx2") && fma) return KernelIsa{avx2::tile, avx2::R, "avx2"};
 #endif
     return KernelIsa{generic::tile, generic::R, "generic"};
   }();

@@ -1,6 +1,6 @@
 """Build the C++/CUDA extension of kvpress-critical: ``make build``.
 
-Same as ``python -m kvpress_critical.ops.build_extension``.
+Same as ``python kvpress_critical/ops/build_extension.py`` (run as a script it imports only torch, not the package).
 
 The extension is a shared library that registers the ``kvpress_critical::*`` operators through ``torch.library``
 (see ``csrc/``); it is not a Python module. It is compiled with ``torch.utils.cpp_extension`` (ninja) into

@@ -27,7 +27,7 @@ from kvpress_critical.ops.torch_backend import head_projections
 
 logger = logging.getLogger(__name__)
 
-BUILD_HINT = "run `make build` (or `python -m kvpress_critical.ops.build_extension`)"
+BUILD_HINT = "run `make build` (or `python kvpress_critical/ops/build_extension.py`)"
 
 
 @dataclass
@@ -118,6 +118,9 @@ def projected_value_norm_ext(
     out : torch.Tensor, optional
         ``(B, H_kv, T)`` float32 tensor to write into (any strides); a new one is returned otherwise.
     """
+    reason = extension_state().reason
+    if reason is not None:
+        raise RuntimeError(reason)
     proj = head_projections(o_proj_weight, num_attention_heads, norm)
     if out is None:
         return torch.ops.kvpress_critical.head_projected_norm(values, proj, norm)

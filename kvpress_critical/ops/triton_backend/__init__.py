@@ -19,8 +19,15 @@ def triton_availability() -> str | None:
     """None when the Triton backend can run here, else why not and how to fix it."""
     try:
         import triton  # noqa: F401
+
+        from kvpress_critical.ops.triton_backend.kernel import interpreter_mismatch
     except ImportError:
         return "triton is not installed: pip install 'kvpress-critical[triton]' (or `pip install triton`)"
+    if interpreter_mismatch():
+        return (
+            "TRITON_INTERPRET=1 was set after triton was imported, so Triton's own functions are not interpreted; "
+            "set it in the environment before starting Python"
+        )
     if _interpreter_enabled() or torch.cuda.is_available():
         return None
     return (

@@ -1,8 +1,9 @@
 """Triton kernel of the projected-value norm (layer 1 of 3: kernel, launcher, backend wrapper).
 
-``_head_projected_norm`` is kept undecorated: :func:`get_kernel` applies ``triton.jit`` on first use, because
-Triton reads ``TRITON_INTERPRET`` when a kernel is decorated; decorating lazily (once per mode) lets the
-interpreter be switched on after this package is imported (tests do so).
+``_head_projected_norm`` is kept undecorated: :func:`get_kernel` applies ``triton.jit`` on first use, once per
+mode, because Triton reads ``TRITON_INTERPRET`` when a function is decorated. Its own standard library
+(``tl.sum``...) is decorated when triton is imported, so the interpreter only works when ``TRITON_INTERPRET=1``
+is set before triton is imported (:func:`interpreter_mismatch` detects the other case).
 """
 
 import triton
@@ -82,6 +83,17 @@ def interpreter_enabled() -> bool:
     import os
 
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def interpreter_mismatch() -> bool:
+    """True when the interpreter is on but triton was imported before it was: kernels would fail to run."""
+    if not interpreter_enabled():
+        return False
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    return not isinstance(tl.sum, InterpretedFunction)
 
 
 def get_kernel():

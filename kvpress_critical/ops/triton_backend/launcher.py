@@ -62,8 +62,8 @@ def _operands(values: torch.Tensor, proj: torch.Tensor) -> tuple:
         return tl.float32, "ieee"
     if values.dtype == proj.dtype and values.dtype in (torch.float16, torch.bfloat16):
         return _TL_DTYPES[values.dtype], "ieee"  # tensor cores, fp32 accumulation
-    # mixed or float32 operands in fp32; tf32 loses nothing on 16-bit values (their 8/11-bit mantissas fit)
-    return tl.float32, "tf32" if values.element_size() == 2 else "ieee"
+    # mixed or float32 operands (the fp32 Gram factors of L2 included): exact fp32 products, not tf32
+    return tl.float32, "ieee"
 
 
 def launch_head_projected_norm(
