@@ -53,6 +53,15 @@ MODELS = {
 }
 DEFAULT_TOKENS = {"llama": [1024, 2048, 4096, 8192], "qwen": [1024, 4096], "smollm": [1024, 4096, 16384, 32768]}
 FUSED = {"cpu": ("torch", "cpp"), "cuda": ("torch", "cuda", "triton")}
+# dense bf16 tensor-core peak, TFLOP/s, by device-name substring (vendor data sheets); --peak-tflops overrides
+BF16_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
+
+
+def bf16_peak_tflops(device: torch.device, override: float | None) -> float | None:
+    if override is not None or device.type != "cuda":
+        return override
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in BF16_PEAK_TFLOPS.items() if key in name), None)
 
 
 def kvpress_module(weight: torch.Tensor, shape: dict):
@@ -137,6 +146,7 @@ def run_case(model: str, k_len: int, dtype: torch.dtype, args, device: torch.dev
                 speedup_vs_kvpress=round(best["kvpress"] / low, 3),
                 peak_extra_mib=round(peak / 2**20, 3),
                 mem_vs_kvpress=round(peak / peaks["kvpress"], 5) if peaks else float("nan"),
+                pct_bf16_peak=round(100 * flop / low / 1e12 / args.peak, 1) if args.peak else float("nan"),
             )
         )
         logger.info("%s T=%d %s %-10s %9.2f ms  x_floor %.2f", label, k_len, rows[-1]["dtype"], name, low * 1e3,
@@ -158,6 +168,9 @@ def render(all_rows: list[dict], device: torch.device) -> str:
     l1_header = ["model", "T", "dtype", "floor ms", "kvpress ms (x floor)"]
     l1_header += [f"{b} ms (x floor)" for b in fused_names]
     l1_header += ["best GFLOP/s", "best vs kvpress", "peak MiB kvpress", "peak MiB best (fraction)"]
+    with_peak = any(r["pct_bf16_peak"] == r["pct_bf16_peak"] for r in all_rows)
+    if with_peak:
+        l1_header.append("best % of bf16 peak")
     l1_rows, l2_rows = [], []
     for (model, k_len, dtype), rows in groups.items():
         by = {r["method"]: r for r in rows}
@@ -173,6 +186,8 @@ def render(all_rows: list[dict], device: torch.device) -> str:
             fmt(by["kvpress"]["peak_extra_mib"], 1),
             f"{fmt(best['peak_extra_mib'])} ({best['mem_vs_kvpress']:.4f})",
         ]
+        if with_peak:
+            row.append(fmt(best["pct_bf16_peak"], 1))
         l1_rows.append(row)
         best2 = best_fused(rows, "l2")
         if best2 is not None:
@@ -199,12 +214,14 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per method (after one warm-up)")
     parser.add_argument("--memory-max-tokens", type=int, default=8192, help="skip the memory pass above this")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 tensor-core peak for the %% column")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     add_threads_argument(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     apply_threads(args.threads)
     device = torch.device(args.device)
+    args.peak = bf16_peak_tflops(device, args.peak_tflops)
 
     all_rows = []
     for model in args.models.split(","):

@@ -29,7 +29,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
-#include <vector>
 
 #include "checks.h"
 
@@ -160,10 +159,14 @@ void head_projected_norm_cpu_impl(const at::Tensor& values, const at::Tensor& he
   std::atomic<int64_t> next_item{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    // Per-thread scratch, allocated through torch's CPU allocator (so memory profilers see it):
+    //   vt (d, ldv) transposed value tile | wbuf (feature_tile, d) converted projection rows | 2 x (ldv,) accumulators
     const int64_t ldv = kTokenTile;  // multiple of kTokenPad
-    std::vector<float> vt(static_cast<size_t>(d * ldv));
-    std::vector<float> wbuf(static_cast<size_t>(feature_tile * d));
-    std::vector<float> head_acc(ldv), group_acc(ldv);
+    at::Tensor scratch = at::empty({d * ldv + feature_tile * d + 2 * ldv}, values.options().dtype(at::kFloat));
+    float* const vt = scratch.mutable_data_ptr<float>();
+    float* const wbuf = vt + d * ldv;
+    float* const head_acc = wbuf + feature_tile * d;
+    float* const group_acc = head_acc + ldv;
 
     for (int64_t item = next_item.fetch_add(1); item < num_items; item = next_item.fetch_add(1)) {
       const int64_t kv = item / (batch * token_tiles);
@@ -173,19 +176,18 @@ void head_projected_norm_cpu_impl(const at::Tensor& values, const at::Tensor& he
       const int64_t cols = (t + kTokenPad - 1) / kTokenPad * kTokenPad;
 
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "head_projected_norm_cpu", [&] {
-        transpose_values(typed_ptr<scalar_t>(values) + b * sv_b + kv * sv_h + t0 * sv_t, sv_t, sv_d, t, d, vt.data(),
-                         ldv);
+        transpose_values(typed_ptr<scalar_t>(values) + b * sv_b + kv * sv_h + t0 * sv_t, sv_t, sv_d, t, d, vt, ldv);
       });
-      std::fill(group_acc.begin(), group_acc.begin() + cols, 0.0f);
+      std::fill(group_acc, group_acc + cols, 0.0f);
 
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kv * group + g;
-        float* acc = norm == Norm::L1 ? group_acc.data() : head_acc.data();
-        if (norm == Norm::L2) std::fill(head_acc.begin(), head_acc.begin() + cols, 0.0f);
+        float* acc = norm == Norm::L1 ? group_acc : head_acc;
+        if (norm == Norm::L2) std::fill(head_acc, head_acc + cols, 0.0f);
         for (int64_t n0 = 0; n0 < features; n0 += feature_tile) {
           const int64_t rows = std::min(feature_tile, features - n0);
           const int64_t rows_pad = (rows + isa.rows - 1) / isa.rows * isa.rows;
-          TileArgs args{vt.data(), ldv, cols, nullptr, d, rows_pad, d, norm == Norm::L1, acc};
+          TileArgs args{vt, ldv, cols, nullptr, d, rows_pad, d, norm == Norm::L1, acc};
           if (proj_direct && rows == rows_pad) {
             args.w = typed_ptr<float>(head_proj) + h * sp_h + n0 * sp_n;
             args.ldw = sp_n;
@@ -193,9 +195,9 @@ void head_projected_norm_cpu_impl(const at::Tensor& values, const at::Tensor& he
             AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_proj.scalar_type(), "head_projected_norm_cpu",
                                             [&] {
                                               copy_rows(typed_ptr<scalar_t>(head_proj) + h * sp_h + n0 * sp_n, sp_n,
-                                                        sp_d, rows, rows_pad, d, wbuf.data());
+                                                        sp_d, rows, rows_pad, d, wbuf);
                                             });
-            args.w = wbuf.data();
+            args.w = wbuf;
           }
           isa.fn(args);
         }

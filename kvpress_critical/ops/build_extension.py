@@ -82,6 +82,13 @@ def build(verbose: bool = False) -> Path:
     import torch
     from torch.utils.cpp_extension import load
 
+    if not CSRC_DIR.is_dir():
+        raise FileNotFoundError(
+            f"{CSRC_DIR} not found: the extension is built from a source checkout of kvpress-critical "
+            "(git clone, then `pip install -e .` and `make build`)"
+        )
+    # torch's builder runs `ninja` from PATH: put this interpreter's bin (a venv with the `ninja` package) first
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     with_cuda = want_cuda()
     names = CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())
     BUILD_DIR.mkdir(parents=True, exist_ok=True)

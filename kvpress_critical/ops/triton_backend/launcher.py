@@ -61,7 +61,8 @@ def _operands(values: torch.Tensor, proj: torch.Tensor) -> tuple:
         # the interpreter multiplies the raw bits of bfloat16 dot operands (triton-lang/triton#11584): use fp32
         return tl.float32, "ieee"
     if values.dtype == proj.dtype and values.dtype in (torch.float16, torch.bfloat16):
-        return _TL_DTYPES[values.dtype], "ieee"  # tensor cores, fp32 accumulation
+        # tensor cores with fp32 accumulation (input_precision only matters for fp32 operands: Triton's default)
+        return _TL_DTYPES[values.dtype], "tf32"
     # mixed or float32 operands (the fp32 Gram factors of L2 included): exact fp32 products, not tf32
     return tl.float32, "ieee"
 
