@@ -95,10 +95,14 @@ def build(verbose: bool = False) -> Path:
     start = time.perf_counter()
     # the CPU-only and the CUDA builds are different libraries: never mix their object files
     name = LIB_NAME + ("_cuda" if with_cuda else "_cpu")
+    # -fopenmp: at::parallel_for is an inline template that runs serially unless _OPENMP is defined where it is
+    # compiled. The library links libgomp.so.1 by soname, which resolves to the copy torch has already loaded.
+    openmp = ["-fopenmp"] if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else []
     lib = load(
         name=name,
         sources=[str(CSRC_DIR / n) for n in names],
-        extra_cflags=["-O3"],
+        extra_cflags=["-O3", *openmp],
+        extra_ldflags=openmp,
         extra_cuda_cflags=["-O3", "-std=c++17"],
         extra_include_paths=[str(CSRC_DIR)],
         build_directory=str(BUILD_DIR),
