@@ -29,13 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    RESULTS_DIR,
-    add_threads_argument,
-    apply_threads,
     command_line,
     fmt,
     machine_description,
     markdown_table,
+    output_stem,
+    parse_arguments,
     summary,
     synchronize,
     time_interleaved,
@@ -80,13 +79,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default="1024,2048,4096", help="comma-separated context lengths")
     parser.add_argument("--ratio", type=float, default=0.5, help="compression ratio of every press")
     parser.add_argument("--repeats", type=int, default=3, help="timed prefills per press (after one warm-up)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    add_threads_argument(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    apply_threads(args.threads)
-    device = torch.device(args.device)
+    args = parse_arguments(parser, argv)
+    device = args.device
 
     import transformers
     from transformers import DynamicCache
@@ -158,7 +152,7 @@ def main(argv=None) -> int:
                 fmt(in_compress, 1),
             )
 
-    stem = args.out_dir / f"prefill_{device.type}{f'_{args.threads}thread' if args.threads else ''}"
+    stem = output_stem(args, "prefill")
     write_csv(stem.with_suffix(".csv"), rows)
     lengths = sorted({r["tokens"] for r in rows})
     header = ["press"] + [f"{t} tokens: ms (overhead %; in compress %)" for t in lengths]

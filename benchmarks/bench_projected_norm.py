@@ -27,13 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    RESULTS_DIR,
-    add_threads_argument,
-    apply_threads,
     command_line,
     fmt,
     machine_description,
     markdown_table,
+    output_stem,
+    parse_arguments,
     peak_extra_bytes,
     single_thread,
     summary,
@@ -213,14 +212,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per method (after one warm-up)")
     parser.add_argument("--memory-max-tokens", type=int, default=8192, help="skip the memory pass above this")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 tensor-core peak for the %% column")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    add_threads_argument(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    apply_threads(args.threads)
-    device = torch.device(args.device)
+    args = parse_arguments(parser, argv)
+    device = args.device
     args.peak = bf16_peak_tflops(device, args.peak_tflops)
 
     all_rows = []
@@ -230,7 +224,7 @@ def main(argv=None) -> int:
             for k_len in tokens:
                 all_rows += run_case(model, k_len, getattr(torch, dtype_name), args, device)
 
-    stem = args.out_dir / f"projected_norm_{device.type}{f'_{args.threads}thread' if args.threads else ''}"
+    stem = output_stem(args, "projected_norm")
     write_csv(stem.with_suffix(".csv"), all_rows)
     text = (
         f"## projected_value_norm on {device.type.upper()}\n\n"

@@ -1,5 +1,7 @@
 """Shared pieces of the benchmarks: machine description, interleaved timing, peak extra memory, table output."""
 
+import argparse
+import logging
 import os
 import platform
 import shlex
@@ -37,7 +39,9 @@ def machine_description(device: torch.device) -> str:
     )
 
 
-def add_threads_argument(parser) -> None:
+def parse_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Add the options every benchmark has (--device, --threads, --out-dir), parse, set up logging and threads."""
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
         "--threads",
         type=int,
@@ -45,11 +49,19 @@ def add_threads_argument(parser) -> None:
         help="torch intra-op threads (default: torch's choice). On a machine shared with other jobs, 1 avoids "
         "OpenMP barrier stalls that make multi-threaded timings erratic",
     )
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    args.device = torch.device(args.device)
+    return args
 
 
-def apply_threads(threads: int | None) -> None:
-    if threads is not None:
-        torch.set_num_threads(threads)
+def output_stem(args: argparse.Namespace, name: str) -> Path:
+    """``<out-dir>/<name>_<device>[_<n>thread]``: the CSV and markdown files of a run, without suffix."""
+    threads = f"_{args.threads}thread" if args.threads else ""
+    return args.out_dir / f"{name}_{args.device.type}{threads}"
 
 
 def command_line() -> str:

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <string>
@@ -43,6 +44,13 @@ inline void check_head_projected_norm_args(const at::Tensor& values, const at::T
                   out.size(2) == values.size(2),
               "kvpress_critical: out must have shape (batch, kv_heads, tokens) = ",
               at::IntArrayRef({values.size(0), kv_heads, values.size(2)}), ", got ", out.sizes());
+}
+
+// A new (B, H_kv, T) float32 output for values (B, H_kv, T, d), on the values' device.
+inline at::Tensor new_output(const at::Tensor& values) {
+  TORCH_CHECK(values.dim() == 4, "kvpress_critical: values must be (batch, kv_heads, tokens, head_dim), got shape ",
+              values.sizes());
+  return at::empty({values.size(0), values.size(1), values.size(2)}, values.options().dtype(at::kFloat));
 }
 
 }  // namespace kvpress_critical

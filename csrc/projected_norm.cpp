@@ -219,9 +219,7 @@ void head_projected_norm_out_cpu(const at::Tensor& values, const at::Tensor& hea
 }
 
 at::Tensor head_projected_norm_cpu(const at::Tensor& values, const at::Tensor& head_proj, c10::string_view norm) {
-  TORCH_CHECK(values.dim() == 4, "kvpress_critical: values must be (batch, kv_heads, tokens, head_dim), got shape ",
-              values.sizes());
-  at::Tensor out = at::empty({values.size(0), values.size(1), values.size(2)}, values.options().dtype(at::kFloat));
+  at::Tensor out = new_output(values);
   head_projected_norm_out_cpu(values, head_proj, norm, out);
   return out;
 }
