@@ -224,7 +224,8 @@ def main(argv=None) -> int:
             for k_len in tokens:
                 all_rows += run_case(model, k_len, getattr(torch, dtype_name), args, device)
 
-    stem = output_stem(args, "projected_norm")
+    dtypes = args.dtypes.split(",")
+    stem = output_stem(args, "projected_norm" + ("" if dtypes == ["float32"] else "_" + "-".join(dtypes)))
     write_csv(stem.with_suffix(".csv"), all_rows)
     text = (
         f"## projected_value_norm on {device.type.upper()}\n\n"
