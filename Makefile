@@ -1,9 +1,12 @@
 # kvpress-critical: every target installs what it needs into .venv first (CPU torch by default).
 #   make demo      install + run the main job on the embedded SmolLM2 model
-#   make test      install + run the test suite
+#   make test      install + build the C++ extension + run the test suite
 #   make analysis  install + perturbation analysis on the embedded SmolLM2 (ANALYSIS_ARGS="--ratios 0.5,0.8 ...")
 #   make eval-smoke  install + run the smoke evaluation sweep (CPU, embedded SmolLM2, kvpress's own runner)
 #   make eval-dry-run  the job list of the default evaluation preset (EVAL_ARGS="--preset paper" etc.)
+#   make build     build the C++ extension (CPU; CUDA too when torch has CUDA; KVPRESS_CRITICAL_BUILD_CUDA=1 insists)
+#   make check-cuda  compile-check the CUDA kernel (sm_80, sm_90) and its torch binding with nvcc, no GPU needed
+#   make bench     regenerate benchmarks/results/*.csv|md (projected-norm kernels and prefill overhead)
 # On a GPU machine: make install TORCH_SPEC=torch   (any CUDA build of torch >= 2.4)
 
 PYTHON ?= python3
@@ -19,7 +22,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_VERBOSITY ?= error
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test analysis lint format clean eval-smoke eval-dry-run
+.PHONY: install build check-cuda bench demo test analysis lint format clean eval-smoke eval-dry-run
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,13 +34,29 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+EXT_STAMP := kvpress_critical/_ext/build_info.json
+EXT_SOURCES := $(wildcard csrc/*.cpp csrc/*.cu csrc/*.h csrc/*.inc) kvpress_critical/ops/build_extension.py
+
+$(EXT_STAMP): $(STAMP) $(EXT_SOURCES)
+	$(PY) kvpress_critical/ops/build_extension.py
+
+build: $(EXT_STAMP)
+
+check-cuda: install
+	csrc/check_cuda.sh $(PY)
+
+BENCH_ARGS ?=
+bench: build
+	$(PY) benchmarks/bench_projected_norm.py $(BENCH_ARGS)
+	$(PY) benchmarks/bench_prefill.py $(BENCH_ARGS)
+
 demo: install
 	$(PY) -m kvpress_critical.demo $(DEMO_ARGS)
 
 analysis: install
 	$(PY) -m kvpress_critical.analysis $(ANALYSIS_ARGS)
 
-test: install
+test: build
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 eval-smoke: install
@@ -47,12 +66,12 @@ eval-dry-run: install
 	PYTHON=$(PY) bash evaluation/evaluate.sh --dry-run $(EVAL_ARGS)
 
 lint: install
-	$(PY) -m ruff check kvpress_critical tests evaluation
-	$(PY) -m ruff format --check kvpress_critical tests evaluation
+	$(PY) -m ruff check kvpress_critical tests evaluation benchmarks
+	$(PY) -m ruff format --check kvpress_critical tests evaluation benchmarks
 
 format: install
-	$(PY) -m ruff format kvpress_critical tests evaluation
-	$(PY) -m ruff check --fix kvpress_critical tests evaluation
+	$(PY) -m ruff format kvpress_critical tests evaluation benchmarks
+	$(PY) -m ruff check --fix kvpress_critical tests evaluation benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache kvpress_critical/_ext

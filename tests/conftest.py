@@ -4,7 +4,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
+import torch  # noqa: E402  (does not import triton)
+
+# Triton reads TRITON_INTERPRET when it is imported (its standard library, tl.sum included, is decorated then), so
+# without a GPU the interpreter is switched on here, before transformers/kvpress import triton: the Triton backend
+# is then tested on CPU tensors through the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import transformers  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()

@@ -13,7 +13,9 @@ from typing import Callable
 
 import torch
 
+from kvpress_critical.ops.cpp_backend import cpp_availability, cuda_availability, projected_value_norm_ext
 from kvpress_critical.ops.torch_backend import projected_value_norm_torch
+from kvpress_critical.ops.triton_backend import projected_value_norm_triton, triton_availability, triton_devices
 
 logger = logging.getLogger(__name__)
 
@@ -41,16 +43,21 @@ class Backend:
         Name users pass as ``backend=``.
     fn : callable
         ``fn(values, o_proj_weight, num_attention_heads, norm) -> (B, H_kv, T) float32``.
-    devices : tuple of str
-        Device types (``"cpu"``, ``"cuda"``) the implementation runs on.
+    devices : tuple of str, or callable returning one
+        Device types (``"cpu"``, ``"cuda"``) the implementation runs on; a callable when this depends on
+        the environment (Triton admits CPU tensors only while its interpreter is on).
     availability : callable
         Returns ``None`` when usable, else a sentence saying why not and how to fix it.
     """
 
     name: str
     fn: Callable[[torch.Tensor, torch.Tensor, int, str], torch.Tensor]
-    devices: tuple[str, ...]
+    devices: tuple[str, ...] | Callable[[], tuple[str, ...]]
     availability: Callable[[], str | None]
+
+    def device_types(self) -> tuple[str, ...]:
+        """Device types the backend accepts now."""
+        return self.devices() if callable(self.devices) else self.devices
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -80,7 +87,7 @@ def available_backends(device: str | torch.device | None = None) -> list[str]:
     return [
         name
         for name, b in _BACKENDS.items()
-        if b.availability() is None and (device_type is None or device_type in b.devices)
+        if b.availability() is None and (device_type is None or device_type in b.device_types())
     ]
 
 
@@ -101,9 +108,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         backend = os.environ.get("KVPRESS_CRITICAL_BACKEND", "auto")
     if backend != "auto":
         check_backend_name(backend)
-        if device.type not in _BACKENDS[backend].devices:
+        if device.type not in _BACKENDS[backend].device_types():
             raise BackendUnavailableError(
-                f"backend {backend!r} runs on {list(_BACKENDS[backend].devices)}, but the values are on "
+                f"backend {backend!r} runs on {list(_BACKENDS[backend].device_types())}, but the values are on "
                 f"{device.type!r}; use backend='auto' or one of {available_backends(device)}"
             )
         return backend
@@ -111,7 +118,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     skipped = []
     for name in order:
         b = _BACKENDS.get(name)
-        if b is None or device.type not in b.devices:
+        if b is None or device.type not in b.device_types():
             continue
         reason = b.availability()
         if reason is None:
@@ -196,4 +203,9 @@ def projected_value_norm(
 
 register_backend(
     Backend(name="torch", fn=projected_value_norm_torch, devices=("cpu", "cuda"), availability=lambda: None)
+)
+register_backend(Backend(name="cpp", fn=projected_value_norm_ext, devices=("cpu",), availability=cpp_availability))
+register_backend(Backend(name="cuda", fn=projected_value_norm_ext, devices=("cuda",), availability=cuda_availability))
+register_backend(
+    Backend(name="triton", fn=projected_value_norm_triton, devices=triton_devices, availability=triton_availability)
 )

@@ -46,6 +46,20 @@ def gram_factors(o_proj_weight: torch.Tensor, num_attention_heads: int) -> torch
     return factors
 
 
+def head_projections(o_proj_weight: torch.Tensor, num_attention_heads: int, norm: str) -> torch.Tensor:
+    """
+    Per-head projections ``M_h`` (``(H, N, d)``) such that the norm of ``v @ M_h.T`` is the projected norm.
+
+    L1: ``M_h = (W_O^h)^T``, a view of the weight (``N = D``, no copy). L2: the Gram factors ``R_h``
+    (``N = min(D, d)``, float32, cached), whose L2 norms equal those of ``v W_O^h``. The fused backends
+    take this one layout for both norms.
+    """
+    if norm == "l2":
+        return gram_factors(o_proj_weight, num_attention_heads)
+    hidden = o_proj_weight.shape[0]
+    return o_proj_weight.reshape(hidden, num_attention_heads, -1).permute(1, 0, 2)  # (H, D, d), a view
+
+
 def projected_value_norm_torch(
     values: torch.Tensor,
     o_proj_weight: torch.Tensor,

@@ -1,0 +1,174 @@
+"""Shared pieces of the benchmarks: machine description, interleaved timing, peak extra memory, table output."""
+
+import argparse
+import logging
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_description(device: torch.device) -> str:
+    """One line naming the hardware and software the numbers were measured on."""
+    from importlib.metadata import version
+
+    if device.type == "cuda":
+        hardware = f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    else:
+        model = platform.processor() or "unknown CPU"
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        hardware = f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    isa = ""
+    if hasattr(torch.ops, "kvpress_critical") and hasattr(torch.ops.kvpress_critical, "cpu_kernel_isa"):
+        isa = f", cpp kernel {torch.ops.kvpress_critical.cpu_kernel_isa()}"
+    return (
+        f"{hardware}; torch {torch.__version__}, kvpress {version('kvpress')}, Python {platform.python_version()}{isa}"
+    )
+
+
+def parse_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Add the options every benchmark has (--device, --threads, --out-dir), parse, set up logging and threads."""
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's choice). On a machine shared with other jobs, 1 avoids "
+        "OpenMP barrier stalls that make multi-threaded timings erratic",
+    )
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    args.device = torch.device(args.device)
+    return args
+
+
+def output_stem(args: argparse.Namespace, name: str) -> Path:
+    """``<out-dir>/<name>_<device>[_<n>thread]``: the CSV and markdown files of a run, without suffix."""
+    threads = f"_{args.threads}thread" if args.threads else ""
+    return args.out_dir / f"{name}_{args.device.type}{threads}"
+
+
+def command_line() -> str:
+    """The command that reproduces this run."""
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved(fns: dict, repeats: int, device: torch.device, warmup: bool = True) -> dict[str, list[float]]:
+    """
+    Seconds per call of every function, measured round-robin after one warm-up call each (unless ``warmup=False``).
+
+    Interleaving spreads the noise of a shared machine over all methods alike, so ratios measured in the same run
+    stay meaningful even when absolute times drift.
+    """
+    for fn in fns.values() if warmup else ():
+        fn()
+    synchronize(device)
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def summary(samples: list[float]) -> tuple[float, float]:
+    """(best, median) of a list of timings."""
+    return min(samples), statistics.median(samples)
+
+
+def peak_extra_bytes(fn, device: torch.device) -> int:
+    """
+    Peak memory allocated by ``fn`` above what was allocated before it (results included, freed inputs excluded).
+
+    CUDA: ``torch.cuda.max_memory_allocated`` after a reset. CPU: torch has no allocator statistics, so every
+    allocation and free of torch's CPU allocator during ``fn`` is recorded with ``torch.profiler``
+    (``profile_memory=True``), events are replayed in time order and the maximum of the running sum is taken. The
+    profiler sees allocations of the thread that runs ``fn``; callers run this with one torch thread so that every
+    allocation is on it. Memory taken by BLAS libraries outside torch's allocator (packing buffers) is not seen,
+    for any method.
+    """
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    running = peak = 0
+    for _, size in sorted(events):
+        running += size
+        peak = max(peak, running)
+    return peak
+
+
+class single_thread:
+    """Context manager running torch with one intra-op thread (restored on exit)."""
+
+    def __enter__(self):
+        self.threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.threads)
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    import csv
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def fmt(x: float, digits: int = 2) -> str:
+    """Compact number for tables."""
+    if x != x:  # NaN
+        return "–"
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    return f"{x:.{digits}f}"

@@ -1,0 +1,104 @@
+"""Triton kernel of the projected-value norm (layer 1 of 3: kernel, launcher, backend wrapper).
+
+``_head_projected_norm`` is kept undecorated: :func:`get_kernel` applies ``triton.jit`` on first use, once per
+mode, because Triton reads ``TRITON_INTERPRET`` when a function is decorated. Its own standard library
+(``tl.sum``...) is decorated when triton is imported, so the interpreter only works when ``TRITON_INTERPRET=1``
+is set before triton is imported (:func:`interpreter_mismatch` detects the other case).
+"""
+
+import triton
+import triton.language as tl
+
+_KERNELS: dict = {}
+
+
+def _head_projected_norm(
+    values_ptr,  # (B, H_kv, T, d), any float dtype, strides sv_*
+    proj_ptr,  # (H, N, d) per-head projections, strides sp_*: W_O^h^T for L1, Gram factors R_h for L2
+    out_ptr,  # (B, H_kv, T) float32, strides so_*
+    num_kv_heads,
+    tokens,
+    head_dim,
+    features,
+    group,
+    sv_b,
+    sv_h,
+    sv_t,
+    sv_d,
+    sp_h,
+    sp_n,
+    sp_d,
+    so_b,
+    so_h,
+    so_t,
+    L1: tl.constexpr,  # True: sum |P|; False: sqrt(sum P^2) per head
+    BLOCK_T: tl.constexpr,  # tokens per program
+    BLOCK_N: tl.constexpr,  # output features per dot
+    BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two (masked)
+    COMPUTE_DTYPE: tl.constexpr,  # operand dtype of tl.dot (accumulation is always float32)
+    INPUT_PRECISION: tl.constexpr,  # "ieee" / "tf32" for float32 operands
+):
+    # One program per (token tile, batch row * KV head): out[b, kv, t] = mean_g || V[b, kv, t] @ P_{kv*G+g}^T ||
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_kv_heads).to(tl.int64)
+    kv = (pid_bh % num_kv_heads).to(tl.int64)
+    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
+    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    t_mask = offs_t < tokens
+    d_mask = offs_d < head_dim
+
+    # value tile (BLOCK_T, BLOCK_D): loaded once, reused by every query head of the group and every feature tile
+    v_ptrs = values_ptr + b * sv_b + kv * sv_h + offs_t[:, None] * sv_t + offs_d[None, :] * sv_d
+    v = tl.load(v_ptrs, mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
+
+    group_acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for g in range(0, group):
+        h = kv * group + g  # query head g of this KV head's group
+        head_acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for n0 in range(0, features, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+            # projection tile seen as (BLOCK_D, BLOCK_N): element (k, n) = proj[h, n, k]
+            w_ptrs = proj_ptr + h * sp_h + offs_n[None, :] * sp_n + offs_d[:, None] * sp_d
+            w = tl.load(w_ptrs, mask=d_mask[:, None] & (offs_n[None, :] < features), other=0.0).to(COMPUTE_DTYPE)
+            p = tl.dot(v, w, input_precision=INPUT_PRECISION, out_dtype=tl.float32)  # (BLOCK_T, BLOCK_N), fp32
+            if L1:
+                head_acc += tl.sum(tl.abs(p), axis=1)
+            else:
+                head_acc += tl.sum(p * p, axis=1)
+        if L1:
+            group_acc += head_acc
+        else:
+            group_acc += tl.sqrt(head_acc)
+
+    o_ptrs = out_ptr + b * so_b + kv * so_h + offs_t * so_t
+    tl.store(o_ptrs, group_acc / group, mask=t_mask)
+
+
+def interpreter_enabled() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), read now."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def interpreter_mismatch() -> bool:
+    """True when the interpreter is on but triton was imported before it was: kernels would fail to run."""
+    if not interpreter_enabled():
+        return False
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    return not isinstance(tl.sum, InterpretedFunction)
+
+
+def get_kernel():
+    """The jitted kernel for the current mode (compiled, or interpreted under ``TRITON_INTERPRET=1``)."""
+    mode = interpreter_enabled()
+    if mode not in _KERNELS:
+        _KERNELS[mode] = triton.jit(_head_projected_norm)
+    return _KERNELS[mode]

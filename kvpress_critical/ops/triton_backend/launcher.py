@@ -1,0 +1,118 @@
+"""Launcher of the Triton projected-norm kernel (layer 2 of 3): tile configuration, grid, argument plumbing.
+
+Tile configurations are a table keyed on the device (and on the operand width, since float32 ``ieee`` dots
+need smaller tiles), rather than autotuning, so the first call does not benchmark and results are
+deterministic. Under the Triton interpreter the largest tiles are fastest (numpy per block).
+"""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvpress_critical.ops.triton_backend.kernel import get_kernel, interpreter_enabled
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_t: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# (compute capability major, 16-bit operands) -> config; head_dim > 128 halves block_n (shared memory)
+_GPU_CONFIGS = {
+    (9, True): TileConfig(128, 128, 8, 3),  # Hopper: 228 KiB shared memory per SM
+    (8, True): TileConfig(64, 128, 4, 3),  # Ampere / Ada
+    (9, False): TileConfig(64, 64, 4, 2),
+    (8, False): TileConfig(32, 64, 4, 2),
+}
+_FALLBACK = {True: TileConfig(64, 64, 4, 2), False: TileConfig(32, 64, 4, 2)}
+_INTERPRETER = TileConfig(64, 128, 1, 1)
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def pick_config(device: torch.device, sixteen_bit: bool, head_dim: int, tokens: int, features: int) -> TileConfig:
+    """Tile configuration for ``device`` (table keyed on compute capability)."""
+    if interpreter_enabled() or device.type != "cuda":
+        # numpy does the work per block: no larger than the problem (padding is paid in full)
+        return TileConfig(
+            min(_INTERPRETER.block_t, max(16, triton.next_power_of_2(tokens))),
+            min(_INTERPRETER.block_n, max(16, triton.next_power_of_2(features))),
+            _INTERPRETER.num_warps,
+            _INTERPRETER.num_stages,
+        )
+    major, _ = torch.cuda.get_device_capability(device)
+    cfg = _GPU_CONFIGS.get((min(major, 9), sixteen_bit), _FALLBACK[sixteen_bit]) if major >= 8 else _FALLBACK[False]
+    if head_dim > 128:
+        cfg = TileConfig(cfg.block_t, max(32, cfg.block_n // 2), cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
+def _operands(values: torch.Tensor, proj: torch.Tensor) -> tuple:
+    """(compute dtype, input precision) of the kernel's dot products."""
+    if interpreter_enabled():
+        # the interpreter multiplies the raw bits of bfloat16 dot operands (triton-lang/triton#11584): use fp32
+        return tl.float32, "ieee"
+    if values.dtype == proj.dtype and values.dtype in (torch.float16, torch.bfloat16):
+        # tensor cores with fp32 accumulation (input_precision only matters for fp32 operands: Triton's default)
+        return _TL_DTYPES[values.dtype], "tf32"
+    # mixed or float32 operands (the fp32 Gram factors of L2 included): exact fp32 products, not tf32
+    return tl.float32, "ieee"
+
+
+def launch_head_projected_norm(
+    values: torch.Tensor, proj: torch.Tensor, norm: str, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """
+    ``out[b, kv, t] = mean over the group of ||values[b, kv, t] @ proj[h].T||_p`` with the Triton kernel.
+
+    Parameters
+    ----------
+    values : torch.Tensor
+        ``(B, H_kv, T, d)``, float16 / bfloat16 / float32, any strides.
+    proj : torch.Tensor
+        ``(H, N, d)`` per-head projections, any strides.
+    norm : {"l1", "l2"}
+    out : torch.Tensor, optional
+        ``(B, H_kv, T)`` float32 to write into; allocated when None.
+    """
+    bsz, num_kv_heads, k_len, head_dim = values.shape
+    heads, features, _ = proj.shape
+    if out is None:
+        out = torch.empty(bsz, num_kv_heads, k_len, dtype=torch.float32, device=values.device)
+    if out.numel() == 0:
+        return out
+    if features == 0 or head_dim == 0:
+        return out.zero_()
+    compute_dtype, precision = _operands(values, proj)
+    cfg = pick_config(values.device, compute_dtype != tl.float32, head_dim, k_len, features)
+    grid = (triton.cdiv(k_len, cfg.block_t), bsz * num_kv_heads)
+    get_kernel()[grid](
+        values,
+        proj,
+        out,
+        num_kv_heads,
+        k_len,
+        head_dim,
+        features,
+        heads // num_kv_heads,
+        *values.stride(),
+        *proj.stride(),
+        *out.stride(),
+        L1=norm == "l1",
+        BLOCK_T=cfg.block_t,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        COMPUTE_DTYPE=compute_dtype,
+        INPUT_PRECISION=precision,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out

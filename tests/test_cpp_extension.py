@@ -1,0 +1,196 @@
+"""The C++/CUDA extension: torch.library registration, fake (meta) implementations, argument checks, build states.
+
+Numerical agreement with the reference over the full grid is in test_backends.py.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpress_critical.ops import BackendUnavailableError, cpp_backend, projected_value_norm, projected_value_norm_ref
+from kvpress_critical.ops import build_extension as ext
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    reason = cpp_backend.cpp_availability()
+    if reason is not None:
+        pytest.skip(reason)
+    return torch.ops.kvpress_critical
+
+
+def small_inputs(dtype=torch.float32, bsz=2, group=3, k_len=11, head_dim=16, hidden=40):
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(bsz, 2, k_len, head_dim, generator=gen).to(dtype)
+    weight = (torch.randn(hidden, 2 * group * head_dim, generator=gen) / 4).to(dtype)
+    return values, weight, 2 * group
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_opcheck(ops, dtype):
+    """Schemas, fake implementations, and dispatch (torch.library.opcheck's full set of checks)."""
+    values, weight, heads = small_inputs(dtype)
+    head_proj = weight.view(weight.shape[0], heads, -1).permute(1, 0, 2)
+    torch.library.opcheck(ops.head_projected_norm.default, (values, head_proj, "l1"))
+    out = torch.empty(values.shape[:3])
+    torch.library.opcheck(ops.head_projected_norm.out, (values, head_proj, "l2"), {"out": out})
+    torch.library.opcheck(ops.projected_value_norm.default, (values, weight, heads, "l2"))
+
+
+def test_fake_tensor_shapes(ops):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        values = torch.empty(3, 2, 1000, 128, dtype=torch.bfloat16)
+        weight = torch.empty(4096, 8 * 128, dtype=torch.bfloat16)
+        out = ops.projected_value_norm(values, weight, 8, "l1")
+    assert out.shape == (3, 2, 1000) and out.dtype == torch.float32
+
+
+def test_traces_under_torch_compile(ops):
+    values, weight, heads = small_inputs()
+
+    def score(v, w):
+        return ops.projected_value_norm(v, w, heads, "l1").softmax(-1)
+
+    compiled = torch.compile(score, backend="aot_eager", fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(values, weight), score(values, weight))
+    longer, _, _ = small_inputs(k_len=23)  # dynamic shapes: no recompilation needed for another length
+    torch.testing.assert_close(compiled(longer, weight), score(longer, weight))
+
+
+def test_the_composite_op_reads_the_weight_as_stored(ops):
+    """projected_value_norm(values, W, H) on the raw o_proj weight equals the reference for L1 and L2."""
+    values, weight, heads = small_inputs()
+    for norm in ("l1", "l2"):
+        torch.testing.assert_close(
+            ops.projected_value_norm(values, weight, heads, norm),
+            projected_value_norm_ref(values, weight, heads, norm),
+            rtol=2e-5,
+            atol=1e-5,
+        )
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda v, p, o: (v[0], p, o), "values must be \\(batch, kv_heads, tokens, head_dim\\)"),
+        (lambda v, p, o: (v, p[0], o), "head_proj must be \\(heads, out_features, head_dim\\)"),
+        (lambda v, p, o: (v, p[..., :8], o), "head_dim of values \\(16\\) differs"),
+        (lambda v, p, o: (v, p[:5], o), "must be a positive multiple of the number of KV heads"),
+        (lambda v, p, o: (v, p, o.double()), "out must be float32"),
+        (lambda v, p, o: (v, p, o[:, :, :3]), "out must have shape"),
+        (lambda v, p, o: (v.int(), p, o), "must be floating point"),
+    ],
+)
+def test_argument_checks_say_what_is_wrong(ops, mutate, match):
+    values, weight, heads = small_inputs()
+    head_proj = weight.view(weight.shape[0], heads, -1).permute(1, 0, 2)
+    args = mutate(values, head_proj, torch.empty(values.shape[:3]))
+    with pytest.raises(RuntimeError, match=match):
+        ops.head_projected_norm.out(*args[:2], "l1", out=args[2])
+
+
+def test_bad_norm_and_weight_shape(ops):
+    values, weight, heads = small_inputs()
+    with pytest.raises(RuntimeError, match="norm must be 'l1' or 'l2', got 'max'"):
+        ops.projected_value_norm(values, weight, heads, "max")
+    with pytest.raises(RuntimeError, match="input features"):
+        ops.projected_value_norm(values, weight, heads + 2, "l1")
+
+
+def test_empty_inputs(ops):
+    values, weight, heads = small_inputs(k_len=0)
+    assert ops.projected_value_norm(values, weight, heads, "l1").shape == (2, 2, 0)
+    values, weight, heads = small_inputs(hidden=0)
+    assert torch.equal(ops.projected_value_norm(values, weight, heads, "l1"), torch.zeros(2, 2, 11))
+
+
+def test_every_cpu_instruction_set_matches_the_reference(ops):
+    """AVX-512, AVX2 and the generic micro-kernels (KVPRESS_CRITICAL_CPU_ISA caps the choice, read once per process)."""
+    # loads the library and the reference module by path: no package import (kvpress, transformers) per process
+    script = (
+        "import importlib.util, torch\n"
+        f"spec = importlib.util.spec_from_file_location('naive', {str(REPO / 'kvpress_critical/ops/naive.py')!r})\n"
+        "naive = importlib.util.module_from_spec(spec); spec.loader.exec_module(naive)\n"
+        "projected_value_norm_ref = naive.projected_value_norm_ref\n"
+        f"torch.ops.load_library({str(ext.LIB_PATH)!r})\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "v = torch.randn(3, 30, 2, 2 * 80, generator=g).transpose(1, 2)[..., ::2]\n"  # strided values
+        "w = torch.randn(203, 8 * 80, generator=g) / 9\n"
+        "for norm in ('l1', 'l2'):\n"
+        "    out = torch.ops.kvpress_critical.projected_value_norm(v, w, 8, norm)\n"
+        "    torch.testing.assert_close(out, projected_value_norm_ref(v, w, 8, norm), rtol=2e-5, atol=1e-5)\n"
+        "print(torch.ops.kvpress_critical.cpu_kernel_isa())\n"
+    )
+    seen = {}
+    for isa in ("avx2", "generic"):
+        env = {**os.environ, "KVPRESS_CRITICAL_CPU_ISA": isa}
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        seen[isa] = run.stdout.strip().splitlines()[-1]
+    assert seen["generic"] == "generic"
+    assert seen["avx2"] in ("avx2", "generic")  # generic on CPUs without AVX2 + FMA
+    assert ops.cpu_kernel_isa() in ("avx512", "avx2", "generic")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Build states: a missing, stale or mismatched library is reported with the fix, never loaded.
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    """Let cpp_backend re-evaluate the extension, and restore the real state afterwards."""
+    monkeypatch.setattr(cpp_backend, "_STATE", None)
+    yield
+    # monkeypatch restores _STATE
+
+
+def test_missing_library_says_how_to_build(fresh_state, monkeypatch, tmp_path):
+    monkeypatch.setattr(ext, "LIB_PATH", tmp_path / "missing.so")
+    reason = cpp_backend.cpp_availability()
+    assert reason is not None and "not built" in reason and "make build" in reason
+    values, weight, heads = small_inputs()
+    with pytest.raises(BackendUnavailableError, match="backend 'cpp' is not available: .*make build"):
+        projected_value_norm(values, weight, heads, backend="cpp")
+    with pytest.raises(BackendUnavailableError, match="make build"):
+        projected_value_norm(values, weight, heads, backend="cuda")
+
+
+def test_stale_sources_and_other_torch_are_reported(fresh_state, monkeypatch, tmp_path):
+    if not ext.LIB_PATH.exists():
+        pytest.skip("the extension is not built")
+    monkeypatch.setattr(ext, "sources_hash", lambda: "0" * 64)
+    assert "older sources" in cpp_backend._load().reason
+    info = tmp_path / "build_info.json"
+    info.write_text('{"torch": "1.0.0", "cuda": false}')
+    monkeypatch.setattr(ext, "INFO_PATH", info)
+    reason = cpp_backend._load().reason
+    assert "built for torch 1.0.0" in reason and "make build" in reason
+
+
+def test_cuda_build_flag_fails_loudly_without_a_cuda_toolchain(monkeypatch):
+    if ext._cuda_toolchain() is None:
+        pytest.skip("CUDA can be compiled here")
+    monkeypatch.setenv("KVPRESS_CRITICAL_BUILD_CUDA", "1")
+    with pytest.raises(RuntimeError, match="KVPRESS_CRITICAL_BUILD_CUDA=1 but CUDA cannot be compiled"):
+        ext.want_cuda()
+    monkeypatch.setenv("KVPRESS_CRITICAL_BUILD_CUDA", "0")
+    assert ext.want_cuda() is False
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("NVCC", "nvcc")) is None, reason="nvcc is not installed")
+def test_cuda_kernel_compiles_for_ampere_and_hopper():
+    """`make check-cuda`: the .cu with nvcc alone for sm_80 and sm_90, and the torch binding against torch's headers."""
+    run = subprocess.run(
+        ["bash", str(REPO / "csrc" / "check_cuda.sh"), sys.executable], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "compiles for sm_80, sm_90" in run.stderr
