@@ -1,5 +1,5 @@
 # kvpress-critical: every target installs what it needs into .venv first (CPU torch by default).
-#   make demo      install + run the main job on the embedded SmolLM2 model
+#   make demo      install + build the C++ extension + run the main job on the embedded SmolLM2 model
 #   make test      install + build the C++ extension + run the test suite
 #   make analysis  install + perturbation analysis on the embedded SmolLM2 (ANALYSIS_ARGS="--ratios 0.5,0.8 ...")
 #   make eval-smoke  install + run the smoke evaluation sweep (CPU, embedded SmolLM2, kvpress's own runner)
@@ -50,7 +50,7 @@ bench: build
 	$(PY) benchmarks/bench_projected_norm.py $(BENCH_ARGS)
 	$(PY) benchmarks/bench_prefill.py $(BENCH_ARGS)
 
-demo: install
+demo: build
 	$(PY) -m kvpress_critical.demo $(DEMO_ARGS)
 
 analysis: install

@@ -5,9 +5,9 @@ float32, so no more than one ``(B, T_tile, D)`` tile of ``V W_O`` ever exists an
 with ``repeat_kv`` (query head ``h`` reads KV head ``h // group`` directly).
 
 L2: ``||v W_O^h||_2^2 = v G_h v^T`` with the Gram matrix ``G_h = W_O^h (W_O^h)^T`` (SPEC section 2).
-We cache a factor ``R_h`` with ``R_h^T R_h = G_h`` (the R of a QR decomposition of ``(W_O^h)^T``, i.e. a
-Cholesky factor of ``G_h`` obtained without squaring the condition number), so the exact L2 norm is
-``||v R_h^T||_2``: ``2 T H d^2`` FLOPs instead of ``2 T H d D``, and no cancellation in ``v G v^T``.
+We cache a factor ``R_h = diag(sqrt(lambda)) Q^T`` of the float64 eigendecomposition ``G_h = Q diag(lambda) Q^T``
+(so ``R_h^T R_h = G_h``), and the exact L2 norm is ``||v R_h^T||_2``: ``2 T H d^2`` FLOPs instead of
+``2 T H d D``, and no cancellation as in evaluating ``v G v^T`` directly.
 """
 
 import os
@@ -28,10 +28,13 @@ def _tile_elements() -> int:
 
 def gram_factors(o_proj_weight: torch.Tensor, num_attention_heads: int) -> torch.Tensor:
     """
-    Per-head factors ``R_h`` (float32, ``(H, min(D, d), d)``) with ``R_h^T R_h = W_O^h (W_O^h)^T``.
+    Per-head factors ``R_h`` (float32, ``(H, d, d)``) with ``R_h^T R_h = G_h = W_O^h (W_O^h)^T``.
 
     Computed once per weight tensor (and recomputed if the weight is modified in place), in float64
-    for accuracy, then stored in float32 on the weight's device.
+    for accuracy, then stored in float32 on the weight's device. The Gram matrices are formed with one
+    batched matmul and factored by a symmetric eigendecomposition of ``d x d`` matrices: a QR of the
+    ``(D, d)`` weights gives the same factor but stalled for seconds in multi-threaded LAPACK on a
+    loaded 2-core machine.
     """
     key = (o_proj_weight._version, num_attention_heads, o_proj_weight.device)
     cached = _GRAM_FACTOR_CACHE.get(o_proj_weight)
@@ -41,7 +44,9 @@ def gram_factors(o_proj_weight: torch.Tensor, num_attention_heads: int) -> torch
     head_dim = o_proj_weight.shape[1] // num_attention_heads
     # (W_O^h)^T = o_proj.weight[:, h*d:(h+1)*d]  -> (H, D, d)
     w = o_proj_weight.detach().double().reshape(hidden, num_attention_heads, head_dim).transpose(0, 1)
-    factors = torch.linalg.qr(w, mode="r").R.float()  # (H, min(D, d), d)
+    gram = w.transpose(1, 2) @ w  # (H, d, d)
+    eigenvalues, eigenvectors = torch.linalg.eigh(gram)
+    factors = (eigenvectors.transpose(1, 2) * eigenvalues.clamp(min=0).sqrt().unsqueeze(-1)).float()  # (H, d, d)
     _GRAM_FACTOR_CACHE[o_proj_weight] = (key, factors)
     return factors
 
@@ -51,7 +56,7 @@ def head_projections(o_proj_weight: torch.Tensor, num_attention_heads: int, norm
     Per-head projections ``M_h`` (``(H, N, d)``) such that the norm of ``v @ M_h.T`` is the projected norm.
 
     L1: ``M_h = (W_O^h)^T``, a view of the weight (``N = D``, no copy). L2: the Gram factors ``R_h``
-    (``N = min(D, d)``, float32, cached), whose L2 norms equal those of ``v W_O^h``. The fused backends
+    (``N = d``, float32, cached), whose L2 norms equal those of ``v W_O^h``. The fused backends
     take this one layout for both norms.
     """
     if norm == "l2":
