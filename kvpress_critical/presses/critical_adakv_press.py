@@ -7,14 +7,15 @@ from torch import nn
 
 from kvpress_critical.modeling import check_attention_supports_masking, module_projected_norm
 from kvpress_critical.presses.base_scores import base_scores
-from kvpress_critical.presses.checks import check_common, check_fraction, check_ratio
+from kvpress_critical.presses.checks import check_common, check_fraction
+from kvpress_critical.presses.inner_press import InnerPressMixin
 from kvpress_critical.selection import compute_n_kept, critical_adakv_keep_mask
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class CriticalAdaKVPress(AdaKVPress):
+class CriticalAdaKVPress(InnerPressMixin, AdaKVPress):
     """
     CriticalAdaKV: AdaKV head-wise budgets with CriticalKV's two-stage selection inside each head.
 
@@ -59,18 +60,9 @@ class CriticalAdaKVPress(AdaKVPress):
         check_common(self.press, type(self).__name__, self.epsilon, self.first_stage_ratio, self.norm, self.backend)
         check_fraction(self.alpha_safeguard, "alpha_safeguard")
 
-    @property
-    def compression_ratio(self) -> float:
-        return self.press.compression_ratio
-
-    @compression_ratio.setter
-    def compression_ratio(self, value: float) -> None:
-        check_ratio(value)
-        self.press.compression_ratio = value
-
     def post_init_from_model(self, model):
         check_attention_supports_masking(model.config, type(self).__name__)
-        self.press.post_init_from_model(model)
+        super().post_init_from_model(model)
 
     def compress(
         self,

@@ -7,14 +7,15 @@ from torch import nn
 
 from kvpress_critical.modeling import module_projected_norm
 from kvpress_critical.presses.base_scores import base_scores
-from kvpress_critical.presses.checks import check_common, check_ratio
+from kvpress_critical.presses.checks import check_common
+from kvpress_critical.presses.inner_press import InnerPressMixin
 from kvpress_critical.selection import compute_n_kept, critical_scores, first_stage_budget
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(init=False)
-class CriticalKVPress(ScorerPress):
+class CriticalKVPress(InnerPressMixin, ScorerPress):
     """
     CriticalKV: two-stage selection that bounds the attention-output perturbation.
 
@@ -74,18 +75,6 @@ class CriticalKVPress(ScorerPress):
 
     def __post_init__(self):
         check_common(self.press, type(self).__name__, self.epsilon, self.first_stage_ratio, self.norm, self.backend)
-
-    @property  # type: ignore[misc]
-    def compression_ratio(self) -> float:
-        return self.press.compression_ratio
-
-    @compression_ratio.setter
-    def compression_ratio(self, value: float) -> None:
-        check_ratio(value)
-        self.press.compression_ratio = value
-
-    def post_init_from_model(self, model):
-        self.press.post_init_from_model(model)
 
     def score(
         self,
