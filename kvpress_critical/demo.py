@@ -14,6 +14,7 @@ from kvpress import AdaKVPress, ExpectedAttentionPress, KnormPress, SnapKVPress
 from transformers import DynamicCache
 
 from kvpress_critical.default_model import DEFAULT_MODEL_NAME, load_default_model
+from kvpress_critical.ops import resolve_backend
 from kvpress_critical.presses import CriticalAdaKVPress, CriticalKVPress
 
 BASE_PRESSES = {
@@ -126,7 +127,8 @@ def main(argv=None) -> None:
         f"attention={model.config._attn_implementation}, threads={torch.get_num_threads()}"
     )
     print(f"context: {n_tokens} tokens, needle at 50% depth; question: {question!r}; expected: 'violet-harbor-42'")
-    print(f"compression ratio {args.ratio}, norm {args.norm}, backend {args.backend}\n")
+    backend = resolve_backend(args.backend, model.device)
+    print(f"compression ratio {args.ratio}, norm {args.norm}, projected-norm backend {backend!r} ({args.backend})\n")
     header = f"{'press':<26} {'evicted':>8} {'prefill s':>10} {'total s':>8}  answer"
     print(header)
     print("-" * len(header))
