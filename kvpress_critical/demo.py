@@ -14,6 +14,7 @@ from kvpress import AdaKVPress, ExpectedAttentionPress, KnormPress, SnapKVPress
 from transformers import DynamicCache
 
 from kvpress_critical.default_model import DEFAULT_MODEL_NAME, load_default_model
+from kvpress_critical.modeling import attention_modules
 from kvpress_critical.ops import resolve_backend
 from kvpress_critical.presses import CriticalAdaKVPress, CriticalKVPress
 
@@ -84,7 +85,7 @@ def prefill_stats(model, tokenizer, context: str, press) -> tuple[float, float]:
             model.model(input_ids=ids, past_key_values=cache)
     seconds = time.perf_counter() - start
     total = evicted = 0
-    for layer, attn in zip(cache.layers, (layer.self_attn for layer in model.model.layers)):
+    for layer, attn in zip(cache.layers, attention_modules(model)):
         bsz, heads, kept, _ = layer.keys.shape
         total += bsz * heads * ids.shape[1]
         evicted += bsz * heads * (ids.shape[1] - kept)

@@ -26,6 +26,12 @@ def _layer_name(module: nn.Module) -> str:
     return f"{type(module).__name__}" + (f" (layer {idx})" if idx is not None else "")
 
 
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The ``self_attn`` module of every decoder layer (the modules kvpress hooks)."""
+    base = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    return [layer.self_attn for layer in base.layers]
+
+
 def get_o_proj(module: nn.Module) -> nn.Module:
     """The output projection of an attention layer, or a ``TypeError`` that says what is missing."""
     o_proj = getattr(module, "o_proj", None)

@@ -4,10 +4,7 @@ import torch
 from kvpress import AdaKVPress
 from transformers import DynamicCache
 
-
-def attention_layers(model):
-    base = model.model.language_model if hasattr(model.model, "language_model") else model.model
-    return [layer.self_attn for layer in base.layers]
+from kvpress_critical.modeling import attention_modules
 
 
 @torch.no_grad()
@@ -55,7 +52,7 @@ def kept_masks(model, input_ids, press, original=None):
     masks = []
     for layer, (orig, comp) in enumerate(zip(original, compressed)):
         if isinstance(press, AdaKVPress) or type(press).__name__ == "CriticalAdaKVPress":
-            module = attention_layers(model)[layer]
+            module = attention_modules(model)[layer]
             mask = torch.ones(orig.shape[:3], dtype=torch.bool)
             idx = getattr(module, "masked_key_indices", None)
             if idx is not None:

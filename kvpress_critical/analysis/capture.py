@@ -22,19 +22,13 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvpress_critical.modeling import module_projected_norm
+from kvpress_critical.modeling import attention_modules, module_projected_norm
 from kvpress_critical.presses import CriticalAdaKVPress, CriticalKVPress
 from kvpress_critical.selection import compute_n_kept, critical_adakv_keep_mask
 
 logger = logging.getLogger(__name__)
 
 _MAX = torch.finfo(torch.float32).max
-
-
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The ``self_attn`` module of every decoder layer."""
-    base = model.model.language_model if hasattr(model.model, "language_model") else model.model
-    return [layer.self_attn for layer in base.layers]
 
 
 @dataclass
@@ -283,7 +277,6 @@ __all__ = [
     "AttentionRecord",
     "LayerSelection",
     "PressSelection",
-    "attention_modules",
     "cache_from_layers",
     "capture_attention",
     "forward_with_cache",

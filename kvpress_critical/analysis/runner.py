@@ -26,7 +26,6 @@ from tqdm.auto import tqdm
 
 from kvpress_critical.analysis.bounds import layer_reference, measure_selection, project_heads
 from kvpress_critical.analysis.capture import (
-    attention_modules,
     cache_from_layers,
     capture_attention,
     forward_with_cache,
@@ -35,7 +34,7 @@ from kvpress_critical.analysis.capture import (
 from kvpress_critical.analysis.fidelity import Fidelity, next_token_fidelity
 from kvpress_critical.analysis.presses import PressPair
 from kvpress_critical.analysis.samples import Sample
-from kvpress_critical.modeling import dense_linear_weight, get_o_proj
+from kvpress_critical.modeling import attention_modules, dense_linear_weight, get_o_proj
 
 logger = logging.getLogger(__name__)
 
