@@ -115,7 +115,7 @@ def adaptive_head_budgets(
         boosted = boosted.masked_fill(descending_rank(boosted, projected_norm) < n_safe, _MAX)
     flat_tiebreak = None if projected_norm is None else projected_norm.reshape(bsz, -1)
     top = descending_rank(boosted.reshape(bsz, -1), flat_tiebreak) < n_kept * num_kv_heads  # (B, H_kv * T)
-    return top.view(bsz, num_kv_heads, k_len).sum(-1)
+    return top.reshape(bsz, num_kv_heads, k_len).sum(-1)
 
 
 def critical_adakv_keep_mask(

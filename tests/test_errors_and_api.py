@@ -213,13 +213,3 @@ def test_quantized_o_proj_in_a_model():
             module_projected_norm(attn, values, "l1", "auto")
     finally:
         attn.o_proj = o_proj
-
-
-def test_bitsandbytes_4bit():
-    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (optional; GPU machines)")
-    if not torch.cuda.is_available():
-        pytest.skip("bitsandbytes 4-bit quantization needs CUDA here")
-    dense = torch.randn(64, 64, device="cuda", dtype=torch.float16)
-    layer = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.float16)
-    layer.weight = bnb.nn.Params4bit(dense.cpu(), requires_grad=False).cuda()
-    torch.testing.assert_close(dense_linear_weight(layer).float(), dense.float(), rtol=0.2, atol=0.2)

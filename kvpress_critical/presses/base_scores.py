@@ -17,6 +17,9 @@ def base_scores(press: ScorerPress, module, hidden_states, keys, values, attenti
     SnapKV scores every entry of its observation window (the last ``window_size`` tokens) with the same
     top score. When the context is not longer than the window, every entry is in it, so the scores are
     uniform (kvpress's SnapKVPress asserts instead): CriticalKV then ranks by the projected-value norm.
+
+    The result is always contiguous, whatever strides the scorer returns (KVzap's scores are a transposed
+    view): every selection function downstream may reshape it freely.
     """
     global _warned_short_context
     if isinstance(press, SnapKVPress) and hidden_states.shape[1] <= press.window_size:
@@ -36,4 +39,4 @@ def base_scores(press: ScorerPress, module, hidden_states, keys, values, attenti
             f"{type(press).__name__}.score returned shape {tuple(scores.shape)}, expected "
             f"(batch, kv_heads, k_len) = {tuple(keys.shape[:3])}"
         )
-    return scores.float()
+    return scores.float().contiguous()

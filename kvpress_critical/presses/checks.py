@@ -2,6 +2,7 @@
 
 import logging
 
+import kvpress
 from kvpress import ExpectedAttentionPress, ScorerPress
 
 from kvpress_critical.ops import NORMS
@@ -23,9 +24,23 @@ def check_fraction(value, name: str) -> None:
         raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
 
 
-def check_inner_press(press, owner: str) -> None:
-    from kvpress_critical.presses.critical_kv_press import CriticalKVPress
+# kvpress's own CriticalKV presses (a ScorerPress and an AdaKVPress), which apply the same selection
+_BUILTIN_CRITICAL = tuple(
+    getattr(kvpress, name) for name in ("CriticalKVPress", "CriticalAdaKVPress") if hasattr(kvpress, name)
+)
 
+
+def applies_criticalkv(press) -> bool:
+    """
+    Whether ``press`` already applies CriticalKV's two-stage selection.
+
+    Presses of this package declare it with the class attribute ``applies_criticalkv = True`` (so this
+    module needs to import none of them); kvpress's built-in CriticalKV presses are recognised by type.
+    """
+    return bool(getattr(type(press), "applies_criticalkv", False)) or isinstance(press, _BUILTIN_CRITICAL)
+
+
+def check_inner_press(press, owner: str) -> None:
     if not isinstance(press, ScorerPress):
         hint = (
             " For head-wise budgets use CriticalAdaKVPress(SnapKVPress(...)) instead of wrapping an AdaKVPress."
@@ -36,9 +51,10 @@ def check_inner_press(press, owner: str) -> None:
             f"{owner} wraps a kvpress ScorerPress (a press with a score() method, e.g. SnapKVPress(0.5), "
             f"KnormPress(0.5), ExpectedAttentionPress(0.5, use_vnorm=False)); got {type(press).__name__}.{hint}"
         )
-    if isinstance(press, CriticalKVPress):
+    if applies_criticalkv(press):
         raise TypeError(
-            f"{owner} got a CriticalKVPress as its inner press; CriticalKV is applied once. "
+            f"{owner} got {type(press).__module__}.{type(press).__name__} as its inner press, which already applies "
+            "CriticalKV; CriticalKV is applied once. "
             f"Pass the base press directly, e.g. {owner}(SnapKVPress(0.5))."
         )
     if isinstance(press, ExpectedAttentionPress) and press.use_vnorm:

@@ -1,5 +1,6 @@
 import logging
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from kvpress import AdaKVPress, ScorerPress
@@ -49,6 +50,8 @@ class CriticalAdaKVPress(InnerPressMixin, AdaKVPress):
         Backend of :func:`kvpress_critical.projected_value_norm`.
     """
 
+    applies_criticalkv: ClassVar[bool] = True  # see presses.checks.applies_criticalkv
+
     press: ScorerPress = None
     alpha_safeguard: float = 0.2
     epsilon: float = 1e-4
@@ -87,7 +90,7 @@ class CriticalAdaKVPress(InnerPressMixin, AdaKVPress):
 
         # Every row masks exactly n_pruned entries: a stable sort puts them (False) first, no host sync.
         n_pruned = num_kv_heads * (k_len - n_kept)
-        flat = keep.view(bsz, -1).to(torch.int8).argsort(dim=-1, stable=True)[:, :n_pruned].reshape(-1)
+        flat = keep.reshape(bsz, -1).to(torch.int8).argsort(dim=-1, stable=True)[:, :n_pruned].reshape(-1)
         batch_indices = torch.arange(bsz, device=keys.device).repeat_interleave(n_pruned)
         module.masked_key_indices = (batch_indices, flat // k_len, flat % k_len)
         return keys, values

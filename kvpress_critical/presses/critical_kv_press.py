@@ -1,5 +1,6 @@
 import logging
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from kvpress import ScorerPress
@@ -48,6 +49,8 @@ class CriticalKVPress(InnerPressMixin, ScorerPress):
     compression_ratio : float, optional
         If given, set on the inner press (convenience; the inner press's own value is used otherwise).
     """
+
+    applies_criticalkv: ClassVar[bool] = True  # see presses.checks.applies_criticalkv
 
     press: ScorerPress = None
     epsilon: float = 1e-4
