@@ -1,19 +1,33 @@
 """kvpress-critical: CriticalKV (arXiv 2502.03805) as a first-class, fast extension of NVIDIA's kvpress.
 
 Importing this package imports kvpress, which registers the ``"kv-press-text-generation"`` pipeline and
-patches attention functions for head-wise masking.
+patches attention functions for head-wise masking. The ops (``kvpress_critical.ops``: the projected-value
+norm and its backends) need only torch: where kvpress is not installed (e.g. a GPU machine checking the
+kernels), the package still imports and the presses raise an ``ImportError`` that says what to install.
 """
 
-import kvpress  # noqa: F401  (registers the pipeline and the attention patch)
-
 from kvpress_critical.ops import available_backends, projected_value_norm
-from kvpress_critical.presses import CriticalAdaKVPress, CriticalKVPress
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CriticalAdaKVPress",
-    "CriticalKVPress",
-    "available_backends",
-    "projected_value_norm",
-]
+_PRESSES = ("CriticalAdaKVPress", "CriticalKVPress")
+
+try:
+    import kvpress  # noqa: F401  (registers the pipeline and the attention patch)
+except ImportError as error:  # the ops work without kvpress; the presses do not
+    _KVPRESS_ERROR: ImportError | None = error
+else:
+    _KVPRESS_ERROR = None
+    from kvpress_critical.presses import CriticalAdaKVPress, CriticalKVPress  # noqa: F401
+
+__all__ = [*_PRESSES, "available_backends", "projected_value_norm"]
+
+
+def __getattr__(name: str):
+    if name in _PRESSES and _KVPRESS_ERROR is not None:
+        raise ImportError(
+            f"kvpress_critical.{name} needs kvpress, which failed to import ({_KVPRESS_ERROR}). Install it with "
+            "`pip install 'kvpress>=0.5.5,<0.6'` (it needs transformers>=4.56,<5.3); the ops in "
+            "kvpress_critical.ops work without it."
+        ) from _KVPRESS_ERROR
+    raise AttributeError(f"module 'kvpress_critical' has no attribute {name!r}")

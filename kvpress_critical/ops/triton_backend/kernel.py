@@ -35,6 +35,8 @@ def _head_projected_norm(
     BLOCK_T: tl.constexpr,  # tokens per program
     BLOCK_N: tl.constexpr,  # output features per dot
     BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two (masked)
+    BLOCK_K: tl.constexpr,  # head_dim slice per dot: BLOCK_D keeps the value tile in registers (16-bit operands);
+    # smaller slices re-read it from L1 per feature tile (fp32 operands, whose FMA dot would spill otherwise)
     COMPUTE_DTYPE: tl.constexpr,  # operand dtype of tl.dot (accumulation is always float32)
     INPUT_PRECISION: tl.constexpr,  # "ieee" / "tf32" for float32 operands
 ):
@@ -49,8 +51,10 @@ def _head_projected_norm(
     d_mask = offs_d < head_dim
 
     # value tile (BLOCK_T, BLOCK_D): loaded once, reused by every query head of the group and every feature tile
-    v_ptrs = values_ptr + b * sv_b + kv * sv_h + offs_t[:, None] * sv_t + offs_d[None, :] * sv_d
-    v = tl.load(v_ptrs, mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
+    v_base = values_ptr + b * sv_b + kv * sv_h + offs_t[:, None] * sv_t
+    if BLOCK_K == BLOCK_D:
+        v = tl.load(v_base + offs_d[None, :] * sv_d, mask=t_mask[:, None] & d_mask[None, :], other=0.0)
+        v = v.to(COMPUTE_DTYPE)
 
     group_acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
     for g in range(0, group):
@@ -58,10 +62,22 @@ def _head_projected_norm(
         head_acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
         for n0 in range(0, features, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-            # projection tile seen as (BLOCK_D, BLOCK_N): element (k, n) = proj[h, n, k]
-            w_ptrs = proj_ptr + h * sp_h + offs_n[None, :] * sp_n + offs_d[:, None] * sp_d
-            w = tl.load(w_ptrs, mask=d_mask[:, None] & (offs_n[None, :] < features), other=0.0).to(COMPUTE_DTYPE)
-            p = tl.dot(v, w, input_precision=INPUT_PRECISION, out_dtype=tl.float32)  # (BLOCK_T, BLOCK_N), fp32
+            n_mask = offs_n < features
+            w_base = proj_ptr + h * sp_h + offs_n[None, :] * sp_n
+            if BLOCK_K == BLOCK_D:
+                # projection tile seen as (BLOCK_D, BLOCK_N): element (k, n) = proj[h, n, k]
+                w = tl.load(w_base + offs_d[:, None] * sp_d, mask=d_mask[:, None] & n_mask[None, :], other=0.0)
+                p = tl.dot(v, w.to(COMPUTE_DTYPE), input_precision=INPUT_PRECISION, out_dtype=tl.float32)
+            else:
+                p = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+                for k0 in range(0, BLOCK_D, BLOCK_K):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+                    k_mask = offs_k < head_dim
+                    v_k = tl.load(v_base + offs_k[None, :] * sv_d, mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+                    w_k = tl.load(w_base + offs_k[:, None] * sp_d, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                    p = tl.dot(
+                        v_k.to(COMPUTE_DTYPE), w_k.to(COMPUTE_DTYPE), p, input_precision=INPUT_PRECISION
+                    )  # (BLOCK_T, BLOCK_N), fp32
             if L1:
                 head_acc += tl.sum(tl.abs(p), axis=1)
             else:

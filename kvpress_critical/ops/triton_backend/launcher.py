@@ -5,8 +5,9 @@ need smaller tiles), rather than autotuning, so the first call does not benchmar
 deterministic. Under the Triton interpreter the largest tiles are fastest (numpy per block).
 """
 
+import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -23,19 +24,33 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    block_k: int | None = None  # head_dim slice per dot; None: the whole (padded) head_dim at once
 
 
-# (compute capability major, 16-bit operands) -> config; head_dim > 128 halves block_n (shared memory)
+# (compute capability major, 16-bit operands) -> config; head_dim > 128 halves block_n (shared memory).
+# Every GPU entry compiles without register spills (ptxas -v, sm_80 and sm_90, head_dim 64..256): checked by
+# tests/test_triton.py::test_gpu_tiles_do_not_spill without a GPU. fp32 (and mixed) operands use FMA dots, whose
+# operand tiles live in registers: they take the head dimension in slices of 8 (block_k); a whole 128-wide value
+# tile spilled ~10 KB per thread on Hopper.
 _GPU_CONFIGS = {
     (9, True): TileConfig(128, 128, 8, 3),  # Hopper: 228 KiB shared memory per SM
-    (8, True): TileConfig(64, 128, 4, 3),  # Ampere / Ada
-    (9, False): TileConfig(64, 64, 4, 2),
-    (8, False): TileConfig(32, 64, 4, 2),
+    (8, True): TileConfig(64, 128, 4, 3, block_k=64),  # Ampere / Ada (the whole 128-wide tile spilled 112 bytes)
+    (9, False): TileConfig(64, 64, 8, 2, block_k=8),
+    (8, False): TileConfig(64, 64, 8, 2, block_k=8),
 }
-_FALLBACK = {True: TileConfig(64, 64, 4, 2), False: TileConfig(32, 64, 4, 2)}
+_FALLBACK = {True: TileConfig(64, 64, 4, 2, block_k=64), False: TileConfig(64, 64, 8, 2, block_k=8)}
 _INTERPRETER = TileConfig(64, 128, 1, 1)
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def gpu_tile_config(capability: tuple[int, int], sixteen_bit: bool, head_dim: int) -> TileConfig:
+    """The tile configuration for a GPU of compute ``capability`` (table above), without needing the GPU."""
+    major = capability[0]
+    cfg = _GPU_CONFIGS.get((min(major, 9), sixteen_bit), _FALLBACK[sixteen_bit]) if major >= 8 else _FALLBACK[False]
+    if head_dim > 128:
+        cfg = replace(cfg, block_n=max(32, cfg.block_n // 2))
+    return cfg
 
 
 def pick_config(device: torch.device, sixteen_bit: bool, head_dim: int, tokens: int, features: int) -> TileConfig:
@@ -48,11 +63,12 @@ def pick_config(device: torch.device, sixteen_bit: bool, head_dim: int, tokens: 
             _INTERPRETER.num_warps,
             _INTERPRETER.num_stages,
         )
-    major, _ = torch.cuda.get_device_capability(device)
-    cfg = _GPU_CONFIGS.get((min(major, 9), sixteen_bit), _FALLBACK[sixteen_bit]) if major >= 8 else _FALLBACK[False]
-    if head_dim > 128:
-        cfg = TileConfig(cfg.block_t, max(32, cfg.block_n // 2), cfg.num_warps, cfg.num_stages)
-    return cfg
+    return gpu_tile_config(torch.cuda.get_device_capability(device), sixteen_bit, head_dim)
+
+
+def block_d(head_dim: int) -> int:
+    """head_dim rounded up to a power of two (at least 16: the smallest dot)."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def _operands(values: torch.Tensor, proj: torch.Tensor) -> tuple:
@@ -94,25 +110,30 @@ def launch_head_projected_norm(
     compute_dtype, precision = _operands(values, proj)
     cfg = pick_config(values.device, compute_dtype != tl.float32, head_dim, k_len, features)
     grid = (triton.cdiv(k_len, cfg.block_t), bsz * num_kv_heads)
-    get_kernel()[grid](
-        values,
-        proj,
-        out,
-        num_kv_heads,
-        k_len,
-        head_dim,
-        features,
-        heads // num_kv_heads,
-        *values.stride(),
-        *proj.stride(),
-        *out.stride(),
-        L1=norm == "l1",
-        BLOCK_T=cfg.block_t,
-        BLOCK_N=cfg.block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        COMPUTE_DTYPE=compute_dtype,
-        INPUT_PRECISION=precision,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    width = block_d(head_dim)
+    # Triton launches on the current device: make it the tensors' (values on cuda:1 would run on cuda:0)
+    guard = torch.cuda.device(values.device) if values.device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        get_kernel()[grid](
+            values,
+            proj,
+            out,
+            num_kv_heads,
+            k_len,
+            head_dim,
+            features,
+            heads // num_kv_heads,
+            *values.stride(),
+            *proj.stride(),
+            *out.stride(),
+            L1=norm == "l1",
+            BLOCK_T=cfg.block_t,
+            BLOCK_N=cfg.block_n,
+            BLOCK_D=width,
+            BLOCK_K=min(width, cfg.block_k or width),
+            COMPUTE_DTYPE=compute_dtype,
+            INPUT_PRECISION=precision,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     return out

@@ -1,0 +1,180 @@
+"""Ahead-of-time compilation of the Triton kernels for a GPU architecture, without a GPU: resource usage.
+
+Triton compiles for any target (``GPUTarget("cuda", 90, 32)``) on a machine without a GPU, and ships ``ptxas``.
+:func:`resource_usage` compiles a kernel configuration to PTX and assembles it with ``ptxas -v``, which reports
+registers, stack frame and spill bytes: the test suite checks that the tile configurations of the launchers do
+not spill on Hopper (sm_90) and Ampere (sm_80), and ``benchmarks/gpu_check.sh`` records the same numbers.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+@dataclass(frozen=True)
+class ResourceUsage:
+    """What ``ptxas -v`` reports for one kernel."""
+
+    registers: int
+    stack_bytes: int
+    spill_stores: int
+    spill_loads: int
+    shared_bytes: int
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_stores > 0 or self.spill_loads > 0
+
+
+_TL_NAMES = {tl.float32: "fp32", tl.float16: "fp16", tl.bfloat16: "bf16"}
+
+
+def _ptxas() -> str:
+    """The newest ptxas Triton ships (it must accept the PTX version Triton emits)."""
+    folder = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    for name in ("ptxas-blackwell", "ptxas"):
+        if (folder / name).is_file():
+            return str(folder / name)
+    found = shutil.which("ptxas")
+    if found is None:
+        raise FileNotFoundError("no ptxas found (Triton's nvidia backend ships one)")
+    return found
+
+
+def compile_kernel(fn, signature: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int):
+    """``triton.compile`` of the jitted ``fn`` for ``cuda`` compute capability ``arch`` (e.g. 90)."""
+    sig = dict(signature)
+    sig.update({k: "constexpr" for k in constexprs})
+    source = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    return triton.compile(
+        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+    )
+
+
+def ptxas_usage(ptx: str, arch: int) -> ResourceUsage:
+    """Assemble ``ptx`` with ``ptxas -v`` for ``sm_<arch>`` and parse its report."""
+    gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        result = subprocess.run(
+            [_ptxas(), "-v", "--gpu-name", gpu, str(src), "-o", str(Path(tmp) / "kernel.cubin")],
+            capture_output=True,
+            text=True,
+        )
+    report = result.stdout + result.stderr
+    if result.returncode != 0:
+        raise RuntimeError(f"ptxas failed:\n{report}")
+
+    def number(pattern: str) -> int:
+        match = re.search(pattern, report)
+        return int(match.group(1)) if match else 0
+
+    return ResourceUsage(
+        registers=number(r"Used (\d+) registers"),
+        stack_bytes=number(r"(\d+) bytes stack frame"),
+        spill_stores=number(r"(\d+) bytes spill stores"),
+        spill_loads=number(r"(\d+) bytes spill loads"),
+        shared_bytes=number(r"(\d+) bytes smem"),
+    )
+
+
+def projected_norm_usage(
+    arch: int,
+    compute_dtype,
+    block_t: int,
+    block_n: int,
+    block_d: int,
+    num_warps: int,
+    num_stages: int,
+    block_k: int | None = None,
+    l1: bool = True,
+) -> ResourceUsage:
+    """Resource usage of the projected-norm kernel for one tile configuration (fp32 accumulators)."""
+    from kvpress_critical.ops.triton_backend.kernel import _head_projected_norm
+
+    operand = _TL_NAMES[compute_dtype]
+    signature = {"values_ptr": f"*{operand}", "proj_ptr": f"*{operand}", "out_ptr": "*fp32"}
+    ints = "num_kv_heads tokens head_dim features group sv_b sv_h sv_t sv_d sp_h sp_n sp_d so_b so_h so_t".split()
+    signature.update({name: "i32" for name in ints})
+    precision = "ieee" if compute_dtype == tl.float32 else "tf32"
+    constexprs = dict(
+        L1=l1,
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        BLOCK_K=block_k or block_d,
+        COMPUTE_DTYPE=compute_dtype,
+        INPUT_PRECISION=precision,
+    )
+    compiled = compile_kernel(triton.jit(_head_projected_norm), signature, constexprs, arch, num_warps, num_stages)
+    return ptxas_usage(compiled.asm["ptx"], arch)
+
+
+def launcher_usage(arch: int, operand_dtype, head_dim: int, norm: str = "l1") -> tuple:
+    """``(TileConfig, ResourceUsage)`` of the configuration the launcher picks on ``sm_<arch>`` for these operands."""
+    from kvpress_critical.ops.triton_backend.launcher import block_d, gpu_tile_config
+
+    sixteen_bit = operand_dtype != tl.float32
+    cfg = gpu_tile_config((arch // 10, arch % 10), sixteen_bit, head_dim)
+    width = block_d(head_dim)
+    usage = projected_norm_usage(
+        arch,
+        operand_dtype,
+        cfg.block_t,
+        cfg.block_n,
+        width,
+        cfg.num_warps,
+        cfg.num_stages,
+        block_k=min(width, cfg.block_k or width),
+        l1=norm == "l1",
+    )
+    return cfg, usage
+
+
+# (operand dtype, head_dim, norm): every dtype path, the head sizes of the supported models, both norms for fp32
+# (L2 always runs on the fp32 Gram factors)
+CASES = [("float32", d, norm) for d in (64, 128, 256) for norm in ("l1", "l2")]
+CASES += [("bfloat16", d, "l1") for d in (64, 128, 256)] + [("float16", 128, "l1")]
+
+
+def usage_table(archs=(80, 90)) -> list[dict]:
+    """Resource usage of every launcher configuration in :data:`CASES` for each architecture."""
+    rows = []
+    for arch in archs:
+        for operand, head_dim, norm in CASES:
+            cfg, usage = launcher_usage(arch, getattr(tl, operand), head_dim, norm)
+            rows.append(
+                dict(arch=arch, operand=operand, head_dim=head_dim, norm=norm, config=asdict(cfg), **asdict(usage))
+            )
+    return rows
+
+
+def main(argv=None) -> int:
+    """``python -m kvpress_critical.ops.triton_backend.aot [--arch 80,90]``: the table as JSON lines.
+
+    Run it without ``TRITON_INTERPRET=1`` (the interpreter replaces the functions the compiler needs).
+    """
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="80,90", help="comma-separated compute capabilities, e.g. 80,90")
+    args = parser.parse_args(argv)
+    for row in usage_table(tuple(int(a) for a in args.arch.split(","))):
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
