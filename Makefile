@@ -7,6 +7,7 @@
 #   make build     build the C++ extension (CPU; CUDA too when torch has CUDA; KVPRESS_CRITICAL_BUILD_CUDA=1 insists)
 #   make check-cuda  compile-check the CUDA kernel (sm_80, sm_90) and its torch binding with nvcc, no GPU needed
 #   make bench     regenerate benchmarks/results/*.csv|md (projected-norm kernels and prefill overhead)
+#   make gpu-check-dry-run  walk every step of benchmarks/gpu_check.sh on CPU with tiny sizes (GPU_CHECK_DIR=...)
 # On a GPU machine: make install TORCH_SPEC=torch   (any CUDA build of torch >= 2.4)
 
 PYTHON ?= python3
@@ -22,7 +23,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_VERBOSITY ?= error
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install build check-cuda bench demo test analysis lint format clean eval-smoke eval-dry-run
+.PHONY: install build check-cuda bench demo test analysis lint format clean eval-smoke eval-dry-run gpu-check-dry-run
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +50,11 @@ BENCH_ARGS ?=
 bench: build
 	$(PY) benchmarks/bench_projected_norm.py $(BENCH_ARGS)
 	$(PY) benchmarks/bench_prefill.py $(BENCH_ARGS)
+
+GPU_CHECK_DIR ?= benchmarks/results/gpu-dry-run
+gpu-check-dry-run: build
+	PY=$(PY) bash benchmarks/gpu_wheels.sh
+	DRY_RUN=1 PY=$(PY) bash benchmarks/gpu_check.sh $(GPU_CHECK_DIR)
 
 demo: build
 	$(PY) -m kvpress_critical.demo $(DEMO_ARGS)

@@ -38,6 +38,7 @@ from common import (  # noqa: E402
     summary,
     time_interleaved,
     write_csv,
+    write_text,
 )
 
 from kvpress_critical.ops import available_backends, projected_value_norm  # noqa: E402
@@ -75,7 +76,10 @@ def kvpress_module(weight: torch.Tensor, shape: dict):
 
 def methods(values: torch.Tensor, weight: torch.Tensor, shape: dict, device: torch.device) -> dict:
     """name -> (callable, FLOPs, norm). The floor's callable allocates its output (for the memory measurement)."""
-    from kvpress import CriticalKVPress
+    try:
+        from kvpress import CriticalKVPress
+    except ImportError:  # e.g. a GPU machine without kvpress: the comparison column stays empty
+        CriticalKVPress = None
 
     heads, head_dim, group = shape["heads"], shape["head_dim"], shape["heads"] // shape["kv_heads"]
     bsz, _, k_len, _ = values.shape
@@ -89,10 +93,9 @@ def methods(values: torch.Tensor, weight: torch.Tensor, shape: dict, device: tor
             torch.matmul(values[:, h // group], w_heads[h], out=out)
 
     module = kvpress_module(weight, shape)
-    found = {
-        "floor": (floor, l1_flop, "l1"),
-        "kvpress": (lambda: CriticalKVPress.vwl1norm(values, module), l1_flop, "l1"),
-    }
+    found = {"floor": (floor, l1_flop, "l1")}
+    if CriticalKVPress is not None:
+        found["kvpress"] = (lambda: CriticalKVPress.vwl1norm(values, module), l1_flop, "l1")
     usable = set(available_backends(device))
     for norm, flop in (("l1", l1_flop), ("l2", l2_flop)):
         for backend in FUSED[device.type]:
@@ -142,9 +145,9 @@ def run_case(model: str, k_len: int, dtype: torch.dtype, args, device: torch.dev
                 gflop=round(flop / 1e9, 3),
                 gflops=round(flop / low / 1e9, 1),
                 x_floor=round(low / best["floor"], 3),
-                speedup_vs_kvpress=round(best["kvpress"] / low, 3),
+                speedup_vs_kvpress=round(best["kvpress"] / low, 3) if "kvpress" in best else float("nan"),
                 peak_extra_mib=round(peak / 2**20, 3),
-                mem_vs_kvpress=round(peak / peaks["kvpress"], 5) if peaks else float("nan"),
+                mem_vs_kvpress=round(peak / peaks["kvpress"], 5) if "kvpress" in peaks else float("nan"),
                 pct_bf16_peak=round(100 * flop / low / 1e12 / args.peak, 1) if args.peak else float("nan"),
             )
         )
@@ -175,14 +178,15 @@ def render(all_rows: list[dict], device: torch.device) -> str:
         by = {r["method"]: r for r in rows}
         best = best_fused(rows, "l1")
         row = [model, k_len, dtype, fmt(by["floor"]["best_ms"], 1)]
-        row.append(f"{fmt(by['kvpress']['best_ms'], 1)} ({fmt(by['kvpress']['x_floor'])})")
+        kv = by.get("kvpress")
+        row.append(f"{fmt(kv['best_ms'], 1)} ({fmt(kv['x_floor'])})" if kv else "–")
         for b in fused_names:
             r = by.get(f"{b}-l1")
             row.append(f"{fmt(r['best_ms'], 1)} ({fmt(r['x_floor'])})" if r else "–")
         row += [
             f"{fmt(best['gflops'], 0)} ({best['method']})",
             f"{fmt(best['speedup_vs_kvpress'])}x",
-            fmt(by["kvpress"]["peak_extra_mib"], 1),
+            fmt(kv["peak_extra_mib"], 1) if kv else "–",
             f"{fmt(best['peak_extra_mib'])} ({best['mem_vs_kvpress']:.4f})",
         ]
         if with_peak:
@@ -217,24 +221,24 @@ def main(argv=None) -> int:
     device = args.device
     args.peak = bf16_peak_tflops(device, args.peak_tflops)
 
-    all_rows = []
-    for model in args.models.split(","):
-        tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else DEFAULT_TOKENS[model]
-        for dtype_name in args.dtypes.split(","):
-            for k_len in tokens:
-                all_rows += run_case(model, k_len, getattr(torch, dtype_name), args, device)
-
     dtypes = args.dtypes.split(",")
     stem = output_stem(args, "projected_norm" + ("" if dtypes == ["float32"] else "_" + "-".join(dtypes)))
-    write_csv(stem.with_suffix(".csv"), all_rows)
-    text = (
+    header = (
         f"## projected_value_norm on {device.type.upper()}\n\n"
         f"Machine: {machine_description(device)}. Measured {datetime.date.today()}; best of {args.repeats} "
         f"interleaved calls after a warm-up; batch {args.batch}.\n"
-        f"Reproduce: `{command_line()}`\n\n" + render(all_rows, device)
+        f"Reproduce: `{command_line()}`\n\n"
     )
-    stem.with_suffix(".md").write_text(text)
-    print(text)
+    all_rows = []
+    for model in args.models.split(","):
+        tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else DEFAULT_TOKENS[model]
+        for dtype_name in dtypes:
+            for k_len in tokens:
+                all_rows += run_case(model, k_len, getattr(torch, dtype_name), args, device)
+                # tables rewritten after every case: a run cut short keeps every case it finished
+                write_csv(stem.with_suffix(".csv"), all_rows)
+                write_text(stem.with_suffix(".md"), header + render(all_rows, device))
+    print(header + render(all_rows, device), flush=True)
     return 0
 
 

@@ -155,14 +155,25 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
-    import csv
-
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a reader never sees a half-written table)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """Write ``rows`` (dicts with the same keys, in order) as CSV, atomically."""
+    import csv
+    import io
+
+    buffer = io.StringIO()
+    fields = list(dict.fromkeys(key for row in rows for key in row))
+    writer = csv.DictWriter(buffer, fieldnames=fields)
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text(path, buffer.getvalue())
 
 
 def fmt(x: float, digits: int = 2) -> str:

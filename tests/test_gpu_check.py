@@ -1,0 +1,55 @@
+"""benchmarks/gpu_check.sh, walked on CPU (DRY_RUN=1): every step runs, the carried wheel set installs with
+--no-index into a clean target for the GPU machine's Python 3.12, and the results fit what the device tool returns."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory):
+    dest = tmp_path_factory.mktemp("whl")
+    env = dict(os.environ, PY=sys.executable)
+    result = subprocess.run(["bash", "benchmarks/gpu_wheels.sh", str(dest)], cwd=ROOT, env=env, capture_output=True,
+                            text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "wheels," in result.stdout
+    return dest
+
+
+def test_wheel_set(wheels):
+    names = sorted(p.name.split("-")[0].lower() for p in wheels.glob("*.whl"))
+    assert {"kvpress", "transformers", "tokenizers", "fire", "datasets"} <= set(names)
+    assert len(names) == len(set(names)), "two versions of one package stop the whole install"
+    assert sum(p.stat().st_size for p in wheels.glob("*.whl")) < 40 * 2**20
+
+
+def test_dry_run_walks_every_step(wheels, tmp_path):
+    results = tmp_path / "out"
+    env = dict(os.environ, DRY_RUN="1", PY=sys.executable, WHEELS=str(wheels), BUDGET_S="600")
+    env.pop("TRITON_INTERPRET", None)  # the script sets it for its own steps
+    result = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(results)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-3000:]
+    steps = [line.split("\t") for line in (results / "steps.tsv").read_text().splitlines()]
+    names = [s[0] for s in steps]
+    assert names[:5] == ["preflight", "wheels", "build", "smoke", "bench_llama_16bit"]
+    assert "tests" in names and "spills" in names
+    assert all(rc == "0" for _, rc, _ in steps), steps
+    files = sorted(p.name for p in results.iterdir())
+    assert len(files) <= 8 and all(p.is_file() for p in results.iterdir()), files  # what the device tool returns
+    assert {"gpu_check.log", "steps.tsv", "smoke.jsonl", "tables.md", "raw.tar", "tests.xml"} <= set(files)
+    smoke = [json.loads(line) for line in (results / "smoke.jsonl").read_text().splitlines()]
+    checked = [r for r in smoke if r.get("op") == "projected_value_norm"]
+    assert checked and all(r["ok"] for r in checked)
+    assert "installed distributions: 9" in log
+    assert "L1: fused backends" in (results / "tables.md").read_text()
