@@ -3,6 +3,7 @@
 #   make test      install + build the C++ extension + run the test suite
 #   make analysis  install + perturbation analysis on the embedded SmolLM2 (ANALYSIS_ARGS="--ratios 0.5,0.8 ...")
 #   make eval-smoke  install + run the smoke evaluation sweep (CPU, embedded SmolLM2, kvpress's own runner)
+#   make eval-quality  install + run the quality benchmark (CPU, embedded SmolLM2, likelihood metrics, ~30 min)
 #   make eval-dry-run  the job list of the default evaluation preset (EVAL_ARGS="--preset paper" etc.)
 #   make build     build the C++ extension (CPU; CUDA too when torch has CUDA; KVPRESS_CRITICAL_BUILD_CUDA=1 insists)
 #   make check-cuda  compile-check the CUDA kernel (sm_80, sm_90) and its torch binding with nvcc, no GPU needed
@@ -23,7 +24,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_VERBOSITY ?= error
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install build check-cuda bench demo test analysis lint format clean eval-smoke eval-dry-run gpu-check-dry-run
+.PHONY: install build check-cuda bench demo test analysis lint format clean eval-smoke eval-quality eval-dry-run gpu-check-dry-run
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,6 +68,9 @@ test: build
 
 eval-smoke: install
 	PYTHON=$(PY) bash evaluation/evaluate.sh --preset smoke --output-dir evaluation/results/smoke --workers $(EVAL_WORKERS) --threads $(EVAL_THREADS) $(EVAL_ARGS)
+
+eval-quality: build
+	PYTHON=$(PY) bash evaluation/evaluate.sh --preset quality --output-dir evaluation/results/quality --workers $(EVAL_WORKERS) --threads $(EVAL_THREADS) $(EVAL_ARGS)
 
 eval-dry-run: install
 	PYTHON=$(PY) bash evaluation/evaluate.sh --dry-run $(EVAL_ARGS)

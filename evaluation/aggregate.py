@@ -14,7 +14,10 @@ under ``RESULTS_DIR/summary`` by default:
 - ``missing.csv``: every expected cell that has no result (configuration not run, failed or incomplete;
   task missing from a run; no ``no_press`` baseline), never silently dropped;
 - ``tables.md``: the same as markdown tables laid out like the paper's (``evaluation.report``);
-- ``plots/<model>__<benchmark>.png``: average score vs cache size, one line per press.
+- ``plots/<model>__<benchmark>.png``: average score vs cache size, one line per press;
+- for runs with likelihood metrics (the quality benchmark, ``evaluation.quality``): ``quality.csv``,
+  ``quality_comparisons.csv`` (paired bootstrap intervals), ``quality_samples.csv``, ``quality.md`` and
+  ``plots/quality__<model>__<benchmark>.png``.
 
 A benchmark is ``dataset/data_dir`` for datasets whose metrics hold several tasks (RULER: ``ruler/4096``)
 and the dataset alone when each ``data_dir`` is one task (LongBench: ``longbench``, tasks = data_dirs).
@@ -34,6 +37,7 @@ import pandas as pd
 import yaml
 
 from evaluation.paired import paired_samples
+from evaluation.quality import quality_comparisons, quality_markdown, quality_plot, quality_samples, quality_summary
 from evaluation.registry import BASELINE, CRITICAL_BASES
 from evaluation.report import markdown_tables, plot
 from evaluation.tasks import KEYS, LONGBENCH_DOMAINS, task_order
@@ -125,6 +129,8 @@ def scores_frame(runs: list[dict]) -> pd.DataFrame:
     ]
     columns = ["model", "benchmark", "dataset", "data_dir", "press", "compression_ratio", "name", "task", "score"]
     frame = pd.DataFrame(rows, columns=columns)
+    frame["compression_ratio"] = pd.to_numeric(frame["compression_ratio"])
+    frame["score"] = pd.to_numeric(frame["score"])
     frame["cache_size"] = (100 * (1 - frame["compression_ratio"])).round(1)
     return frame
 
@@ -325,6 +331,15 @@ def aggregate(
     _write(out / "tables.md", markdown_tables(summary, comparison, missing))
     if not summary.empty:
         plot(summary, out / "plots")
+    samples = quality_samples(runs)
+    if not samples.empty:  # runs with likelihood metrics (the quality benchmark)
+        quality = quality_summary(samples)
+        comparisons = quality_comparisons(samples)
+        _write(out / "quality_samples.csv", samples.to_csv(index=False))
+        _write(out / "quality.csv", quality.to_csv(index=False))
+        _write(out / "quality_comparisons.csv", comparisons.to_csv(index=False))
+        _write(out / "quality.md", quality_markdown(quality, comparisons))
+        quality_plot(quality, out / "plots")
     if not missing.empty:
         logger.warning("%d missing cell(s), listed in %s", len(missing), out / "missing.csv")
     return out

@@ -72,11 +72,8 @@ def apply_overrides(preset: Preset, args: argparse.Namespace) -> Preset:
         preset.datasets = [d for d in preset.datasets if d.dataset in wanted or f"{d.dataset}:{d.data_dir}" in wanted]
         if not preset.datasets:
             raise SystemExit(f"--datasets {args.datasets} matches no dataset of the preset")
-    if args.n_samples is not None:
-        preset.datasets = [
-            replace(d, generate={**d.generate, "n_samples": args.n_samples}) if d.generate else d
-            for d in preset.datasets
-        ]
+    if args.n_samples is not None:  # samples per task (RULER-style data) or contexts (quality data)
+        preset.datasets = [replace(d, generate=_with_sample_count(d.generate, args.n_samples)) for d in preset.datasets]
     for key in ("fraction", "max_new_tokens", "device"):
         value = getattr(args, key)
         if value is not None:
@@ -84,9 +81,16 @@ def apply_overrides(preset: Preset, args: argparse.Namespace) -> Preset:
     return preset
 
 
+def _with_sample_count(generate: dict | None, n: int) -> dict | None:
+    if not generate:
+        return generate
+    key = "n_contexts" if generate.get("generator") == "quality" else "n_samples"
+    return {**generate, key: n}
+
+
 def prepare_datasets(preset: Preset, output_dir: Path) -> dict[str, str]:
     """Generate the preset's local datasets under ``output_dir/datasets`` (once); ``{name: folder}``."""
-    from kvpress_critical.data import generate_ruler_dataset, save_ruler_dataset
+    from kvpress_critical.data import GENERATORS, save_ruler_dataset
 
     folders: dict[str, str] = {}
     for spec in preset.datasets:
@@ -98,8 +102,14 @@ def prepare_datasets(preset: Preset, output_dir: Path) -> dict[str, str]:
             raise ValueError(f"dataset {spec.dataset}: a generated dataset needs a data_dir")
         generate = dict(spec.generate)
         tokenizer_name = generate.pop("tokenizer", "embedded")
+        generator_name = generate.pop("generator", "ruler")
+        if generator_name not in GENERATORS:
+            raise SystemExit(
+                f"dataset {spec.dataset}: unknown generator {generator_name!r}; known: {sorted(GENERATORS)}"
+            )
+        generator = GENERATORS[generator_name]
         metadata = {
-            "generator": "kvpress_critical.data.generate_ruler_dataset",
+            "generator": f"kvpress_critical.data.{generator.__name__}",
             "tokenizer": tokenizer_name,
             **generate,
         }
@@ -113,7 +123,7 @@ def prepare_datasets(preset: Preset, output_dir: Path) -> dict[str, str]:
                 )
             continue
         logger.info("generating the %s/%s dataset (%s)", spec.dataset, spec.data_dir, generate)
-        df = generate_ruler_dataset(_tokenizer(tokenizer_name), **generate)
+        df = generator(_tokenizer(tokenizer_name), **generate)
         save_ruler_dataset(df, root, spec.data_dir, metadata=metadata)
     # datasets without a generate block but sharing a generated dataset's name use its folder
     return folders
@@ -162,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ratios", help="comma-separated compression ratios (overrides the preset)")
     parser.add_argument("--models", help="comma-separated models (overrides the preset)")
     parser.add_argument("--datasets", help="comma-separated datasets, as name or name:data_dir (filters the preset)")
-    parser.add_argument("--n-samples", type=int, help="samples per task of generated datasets")
+    parser.add_argument("--n-samples", type=int, help="samples per task (contexts, for quality data) of generated data")
     parser.add_argument("--fraction", type=float, help="fraction of each dataset (kvpress's option)")
     parser.add_argument("--max-new-tokens", type=int, help="kvpress's max_new_tokens (default: per task)")
     parser.add_argument("--device", help="'cpu' runs on CPU (--workers jobs); otherwise each job gets its GPU(s)")

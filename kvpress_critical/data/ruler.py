@@ -540,7 +540,8 @@ def save_ruler_dataset(df: pd.DataFrame, root: str | os.PathLike, data_dir: str,
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".parquet", dir=folder)
     os.close(fd)
     try:
-        Dataset.from_pandas(df[list(COLUMNS)].reset_index(drop=True), preserve_index=False).to_parquet(tmp)
+        columns = list(COLUMNS) + [c for c in df.columns if c not in COLUMNS]  # extra columns are kept, after
+        Dataset.from_pandas(df[columns].reset_index(drop=True), preserve_index=False).to_parquet(tmp)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
