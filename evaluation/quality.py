@@ -174,9 +174,8 @@ def quality_markdown(summary: pd.DataFrame, comparisons: pd.DataFrame) -> str:
         ]
         body = group[group["press"] != BASELINE].sort_values(["cache_size", "press"], ascending=[False, True])
         for r in body.itertuples():
-            lines.append(
-                f"| {r.cache_size:g}% | {r.press} | {r.string_match:.1f} | {r.nll:.3f} | {r.nll_loss:+.3f} | {r.kl:.3f} |"
-            )
+            cells = [f"{r.cache_size:g}%", r.press, f"{r.string_match:.1f}", f"{r.nll:.3f}", f"{r.nll_loss:+.3f}"]
+            lines.append("| " + " | ".join(cells + [f"{r.kl:.3f}"]) + " |")
         lines.append("")
         comp = (
             comparisons[(comparisons["model"] == model) & (comparisons["benchmark"] == benchmark)]
@@ -188,8 +187,8 @@ def quality_markdown(summary: pd.DataFrame, comparisons: pd.DataFrame) -> str:
                 "Paired comparisons (same questions; 95% cluster-bootstrap intervals over contexts). Reductions are "
                 "`1 - press / base` of the loss vs the full cache: positive = the press loses less.",
                 "",
-                "| cache | press vs base | n (contexts) | NLL loss: base → press | NLL loss reduction | KL: base → press "
-                "| KL reduction | string match change (pp) |",
+                "| cache | press vs base | n (contexts) | NLL loss: base → press | NLL loss reduction "
+                "| KL: base → press | KL reduction | string match change (pp) |",
                 "|---|---|---|---|---|---|---|---|",
             ]
             for _, r in comp.sort_values(["cache_size", "press"], ascending=[False, True]).iterrows():
