@@ -10,7 +10,7 @@ from kvpress_critical.ops import available_backends, projected_value_norm
 
 __version__ = "0.1.0"
 
-_PRESSES = ("CriticalAdaKVPress", "CriticalKVPress")
+_PRESSES = ("CompactCachePress", "CriticalAdaKVPress", "CriticalKVPress")
 
 try:
     import kvpress  # noqa: F401  (registers the pipeline and the attention patch)
@@ -18,7 +18,7 @@ except ImportError as error:  # the ops work without kvpress; the presses do not
     _KVPRESS_ERROR: ImportError | None = error
 else:
     _KVPRESS_ERROR = None
-    from kvpress_critical.presses import CriticalAdaKVPress, CriticalKVPress  # noqa: F401
+    from kvpress_critical.presses import CompactCachePress, CriticalAdaKVPress, CriticalKVPress  # noqa: F401
 
 __all__ = [*_PRESSES, "available_backends", "projected_value_norm"]
 

@@ -34,9 +34,9 @@ LIB_NAME = "kvpress_critical_ops"
 LIB_PATH = EXT_DIR / f"{LIB_NAME}.so"
 INFO_PATH = EXT_DIR / "build_info.json"
 
-CPU_SOURCES = ("projected_norm.cpp",)
+CPU_SOURCES = ("projected_norm.cpp", "ragged_attention.cpp")
 CUDA_SOURCES = ("projected_norm_cuda.cpp", "projected_norm_kernel.cu")
-HEADERS = ("checks.h", "projected_norm_kernel.h", "cpu_tile_kernel.inc")
+HEADERS = ("checks.h", "projected_norm_kernel.h", "cpu_tile_kernel.inc", "cpu_attention_kernel.inc")
 
 
 def sources_hash(csrc_dir: Path = CSRC_DIR) -> str | None:

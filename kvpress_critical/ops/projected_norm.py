@@ -1,19 +1,17 @@
-"""``projected_value_norm``: the one op of CriticalKV, and the single place where backends are chosen.
+"""``projected_value_norm``: the one op of CriticalKV's scores, and the single place where its backend is chosen.
 
-A backend is registered with :func:`register_backend` and picked by :func:`projected_value_norm`:
-explicitly by name (an unavailable backend is an error that says how to get it), or ``"auto"``: the
-first available backend in :data:`AUTO_ORDER` for the tensor's device, with one warning when a
-preferred backend is missing.
+Backends live in :data:`PROJECTED_NORM` (an :class:`~kvpress_critical.ops.registry.OpRegistry`) and are picked by
+:func:`projected_value_norm`: explicitly by name (an unavailable backend is an error that says how to get it), or
+``"auto"``: the first available backend in :data:`AUTO_ORDER` for the tensor's device, with one warning when a
+preferred backend is missing. ``$KVPRESS_CRITICAL_BACKEND`` replaces ``"auto"``.
 """
 
 import logging
-import os
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from kvpress_critical.ops.cpp_backend import cpp_availability, cuda_availability, projected_value_norm_ext
+from kvpress_critical.ops.registry import Backend, BackendUnavailableError, OpRegistry
 from kvpress_critical.ops.torch_backend import projected_value_norm_torch
 from kvpress_critical.ops.triton_backend import projected_value_norm_triton, triton_availability, triton_devices
 
@@ -31,112 +29,55 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "cpu": ("cpp", "torch"),
 }
 
+PROJECTED_NORM = OpRegistry("projected_value_norm", AUTO_ORDER, env_var="KVPRESS_CRITICAL_BACKEND")
+_BACKENDS = PROJECTED_NORM.backends  # name -> Backend (the registry's own dict)
+_warned = PROJECTED_NORM.warned
 
-class BackendUnavailableError(RuntimeError):
-    """A backend was requested explicitly but cannot run here."""
-
-
-@dataclass(frozen=True)
-class Backend:
-    """
-    One implementation of :func:`projected_value_norm`.
-
-    Parameters
-    ----------
-    name : str
-        Name users pass as ``backend=``.
-    fn : callable
-        ``fn(values, o_proj_weight, num_attention_heads, norm) -> (B, H_kv, T) float32``.
-    devices : tuple of str, or callable returning one
-        Device types (``"cpu"``, ``"cuda"``) the implementation runs on; a callable when this depends on
-        the environment (Triton admits CPU tensors only while its interpreter is on).
-    availability : callable
-        Returns ``None`` when usable, else a sentence saying why not and how to fix it.
-    """
-
-    name: str
-    fn: Callable[[torch.Tensor, torch.Tensor, int, str], torch.Tensor]
-    devices: tuple[str, ...] | Callable[[], tuple[str, ...]]
-    availability: Callable[[], str | None]
-
-    def device_types(self) -> tuple[str, ...]:
-        """Device types the backend accepts now."""
-        return self.devices() if callable(self.devices) else self.devices
-
-
-_BACKENDS: dict[str, Backend] = {}
-_warned: set[tuple[str, str]] = set()
+__all__ = [
+    "AUTO_ORDER",
+    "NORMS",
+    "PROJECTED_NORM",
+    "Backend",
+    "BackendUnavailableError",
+    "available_backends",
+    "check_backend_name",
+    "projected_value_norm",
+    "register_backend",
+    "registered_backends",
+    "resolve_backend",
+]
 
 
 def register_backend(backend: Backend) -> None:
-    """Register (or replace) a backend under ``backend.name``."""
-    _BACKENDS[backend.name] = backend
+    """Register (or replace) a projected-norm backend under ``backend.name``."""
+    PROJECTED_NORM.register(backend)
 
 
 def registered_backends() -> tuple[str, ...]:
-    """Names of all registered backends, available here or not."""
-    return tuple(_BACKENDS)
+    """Names of all registered projected-norm backends, available here or not."""
+    return PROJECTED_NORM.names()
 
 
 def available_backends(device: str | torch.device | None = None) -> list[str]:
     """
-    Backends usable in this environment.
+    Projected-norm backends usable in this environment.
 
     Parameters
     ----------
     device : str or torch.device, optional
         Restrict to backends that run on this device type (``"cpu"``, ``"cuda"``).
     """
-    device_type = None if device is None else torch.device(device).type
-    return [
-        name
-        for name, b in _BACKENDS.items()
-        if b.availability() is None and (device_type is None or device_type in b.device_types())
-    ]
+    return PROJECTED_NORM.available(device)
 
 
 def check_backend_name(backend: str) -> None:
     """Raise if ``backend`` is neither ``"auto"`` nor a usable registered backend."""
-    if backend == "auto":
-        return
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose 'auto' or one of {sorted(_BACKENDS)}")
-    reason = _BACKENDS[backend].availability()
-    if reason is not None:
-        raise BackendUnavailableError(f"backend {backend!r} is not available: {reason}")
+    PROJECTED_NORM.check_name(backend)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Name of the backend that :func:`projected_value_norm` will run for ``backend`` on ``device``."""
-    if backend == "auto":
-        backend = os.environ.get("KVPRESS_CRITICAL_BACKEND", "auto")
-    if backend != "auto":
-        check_backend_name(backend)
-        if device.type not in _BACKENDS[backend].device_types():
-            raise BackendUnavailableError(
-                f"backend {backend!r} runs on {list(_BACKENDS[backend].device_types())}, but the values are on "
-                f"{device.type!r}; use backend='auto' or one of {available_backends(device)}"
-            )
-        return backend
-    order = AUTO_ORDER.get(device.type, ("torch",))
-    skipped = []
-    for name in order:
-        b = _BACKENDS.get(name)
-        if b is None or device.type not in b.device_types():
-            continue
-        reason = b.availability()
-        if reason is None:
-            if skipped and (device.type, name) not in _warned:
-                _warned.add((device.type, name))
-                logger.warning(
-                    "projected_value_norm on %s: using backend %r because %s",
-                    device.type,
-                    name,
-                    "; ".join(f"{n!r} is not available ({r})" for n, r in skipped),
-                )
-            return name
-        skipped.append((name, reason))
-    return "torch"
+    return PROJECTED_NORM.resolve(backend, device)
 
 
 def _check_inputs(values: torch.Tensor, o_proj_weight: torch.Tensor, num_attention_heads: int, norm: str) -> None:
@@ -201,8 +142,8 @@ def projected_value_norm(
         ``(B, H_kv, T)`` float32.
     """
     _check_inputs(values, o_proj_weight, num_attention_heads, norm)
-    name = resolve_backend(backend, values.device)
-    return _BACKENDS[name].fn(values, o_proj_weight, num_attention_heads, norm)
+    name = PROJECTED_NORM.resolve(backend, values.device)
+    return PROJECTED_NORM[name].fn(values, o_proj_weight, num_attention_heads, norm)
 
 
 register_backend(

@@ -1,0 +1,317 @@
+"""The compact per-head KV layout of one attention layer, as a transformers cache layer.
+
+After a head-wise press has chosen, for every (batch row, KV head), which context entries to keep,
+:meth:`CompactLayer.from_keep_mask` packs exactly those entries, segment after segment (``keys`` / ``values``:
+``(N, d)``, segment ``s = b * H_kv + h`` at rows ``cu_seqlens[s]:cu_seqlens[s + 1]``, each in its original order,
+with its original positions in ``positions``), in the model's dtype. The dense full-length cache of the layer is
+then released: the layer holds ``N = sum of the budgets`` entries, not ``H_kv * T`` per row.
+
+Tokens added afterwards (the question, the generated tokens) go to every head alike, into a dense **tail**
+``(B, H_kv, C, d)`` with reserved capacity ``C``: appending writes in place, and when the tail is full its capacity
+doubles (amortised O(1) per token; the packed context is never copied again). Removing an answer (kvpress's
+pipeline does it between questions) only moves the tail's length back.
+
+:meth:`CompactLayer.update` returns a :class:`CompactKV` handle instead of dense tensors; the attention wrapper
+(:mod:`kvpress_critical.cache.attention`) recognises it and runs :func:`kvpress_critical.ops.ragged_attention`.
+The layer keeps the ``keys`` / ``values`` attributes kvpress's pipeline slices to remove answers
+(``layer.keys = layer.keys[:, :, :n]``): they are :class:`LogicalView` objects of the layer's logical shape
+``(B, H_kv, length, d)``, whose slicing along the sequence crops the tail; any other use of them as tensors is an
+error that says so (the layer holds no dense tensor of that shape).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+DEFAULT_RESERVE = 64
+"""Tail capacity reserved at compaction (grown by doubling)."""
+
+
+@dataclass
+class CompactKV:
+    """What :meth:`CompactLayer.update` returns to the attention function: the layer and its current state."""
+
+    layer: "CompactLayer"
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.layer.logical_shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layer.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layer.device
+
+
+class LogicalView:
+    """
+    The ``keys`` / ``values`` attribute of a :class:`CompactLayer`: its logical shape, sliceable along the sequence.
+
+    ``view[:, :, :n]`` is another view of length ``n``; assigning it back to the layer crops the layer to ``n``
+    tokens (what kvpress's pipeline does to remove an answer). It is not a tensor.
+    """
+
+    def __init__(self, layer: "CompactLayer", length: int):
+        self.layer = layer
+        self.length = length
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        bsz, heads, _, head_dim = self.layer.logical_shape
+        return bsz, heads, self.length, head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layer.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layer.device
+
+    def __getitem__(self, index):
+        if not isinstance(index, tuple):
+            index = (index,)
+        if index and index[0] is Ellipsis:  # view[..., :n, :]
+            index = (slice(None), slice(None), *index[1:])
+        full = all(isinstance(i, slice) and i == slice(None) for i in index[:2]) and all(
+            isinstance(i, slice) and i == slice(None) for i in index[3:]
+        )
+        if len(index) >= 3 and full and isinstance(index[2], slice) and index[2].step in (None, 1):
+            start, stop, _ = index[2].indices(self.length)
+            if start == 0:
+                return LogicalView(self.layer, stop)
+        raise TypeError(
+            "a CompactLayer holds each head's kept entries in a packed layout, not a dense (batch, heads, seq, dim) "
+            "tensor: only [:, :, :n] slices (to crop) are supported; read the entries with layer.segments()"
+        )
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(
+            f"{func.__name__} on a CompactLayer's keys/values: the layer has no dense tensor (kvpress-critical's "
+            "compact layout). Use layer.segments() or layer.dense() (a padded copy) to read it."
+        )
+
+    def __repr__(self):
+        return f"LogicalView(shape={self.shape}, layer={self.layer!r})"
+
+
+class CompactLayer(CacheLayerMixin):
+    """
+    One layer's KV cache in the compact per-head layout (module docstring).
+
+    Build it with :meth:`from_keep_mask`; transformers and kvpress then use it through the cache layer interface.
+    """
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        positions: torch.Tensor,
+        batch_size: int,
+        num_kv_heads: int,
+        context_length: int,
+        reserve: int = DEFAULT_RESERVE,
+    ):
+        super().__init__()
+        self.packed_keys, self.packed_values = keys, values
+        self.cu_seqlens = cu_seqlens  # (S + 1,) int64, on CPU (read by the kernels' launchers)
+        self.positions = positions  # (N,) int32, original position of every packed entry
+        self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, keys.shape[-1]
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        self.max_seqlen = int(lengths.max()) if lengths.numel() else 0
+        self.context_length = context_length  # nominal length of the context part (the mean budget per head)
+        self.dtype, self.device = keys.dtype, keys.device
+        shape = (batch_size, num_kv_heads, max(1, reserve), self.head_dim)
+        self.tail_keys = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.tail_values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.tail_len = 0
+        self.is_initialized = True
+
+    # ---- construction -----------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_keep_mask(
+        cls, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, reserve: int = DEFAULT_RESERVE,
+        positions: torch.Tensor | None = None,
+    ) -> "CompactLayer":  # fmt: skip
+        """
+        Pack the entries ``keep`` marks of a dense ``(B, H_kv, T, d)`` layer.
+
+        ``keep``: ``(B, H_kv, T)`` bool. ``positions``: ``(B, H_kv, T)`` original positions of the dense entries
+        (default ``0..T-1``). Every row's number of kept entries is divided by ``H_kv`` into the nominal context
+        length the model sees (``get_seq_length``): head-wise presses keep the same total per row.
+        """
+        bsz, num_kv_heads, k_len, _ = keys.shape
+        if keep.shape != keys.shape[:3]:
+            raise ValueError(f"keep mask of shape {tuple(keep.shape)} for a cache of shape {tuple(keys.shape)}")
+        keep = keep.to(keys.device)
+        lengths = keep.sum(-1).reshape(-1).cpu()  # (S,)
+        cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        cu[1:] = lengths.cumsum(0)
+        if positions is None:
+            positions = torch.arange(k_len, device=keys.device, dtype=torch.int32).expand(bsz, num_kv_heads, k_len)
+        # boolean indexing walks (b, h, t) in order: segments are contiguous, entries in their original order
+        nominal = round(int(cu[-1]) / max(1, bsz * num_kv_heads))
+        return cls(
+            keys[keep].contiguous(),
+            values[keep].contiguous(),
+            cu,
+            positions.to(keys.device)[keep].to(torch.int32),
+            bsz,
+            num_kv_heads,
+            nominal,
+            reserve,
+        )
+
+    # ---- the cache layer interface ----------------------------------------------------------------------------
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # built initialised
+        pass
+
+    @property
+    def logical_shape(self) -> tuple[int, int, int, int]:
+        return self.batch_size, self.num_kv_heads, self.get_seq_length(), self.head_dim
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs=None):
+        """Append ``(B, H_kv, n, d)`` new tokens to every head's tail (in place, doubling the capacity when full)."""
+        n = key_states.shape[2]
+        if key_states.shape[:2] != (self.batch_size, self.num_kv_heads) or key_states.shape[3] != self.head_dim:
+            raise ValueError(
+                f"new keys of shape {tuple(key_states.shape)} for a compact layer of batch {self.batch_size}, "
+                f"{self.num_kv_heads} KV heads, head_dim {self.head_dim}"
+            )
+        needed = self.tail_len + n
+        if needed > self.tail_keys.shape[2]:
+            self._grow(max(needed, 2 * self.tail_keys.shape[2]))
+        self.tail_keys[:, :, self.tail_len : needed] = key_states
+        self.tail_values[:, :, self.tail_len : needed] = value_states
+        self.tail_len = needed
+        handle = CompactKV(self)
+        return handle, handle
+
+    def _grow(self, capacity: int) -> None:
+        shape = (self.batch_size, self.num_kv_heads, capacity, self.head_dim)
+        for name in ("tail_keys", "tail_values"):
+            old = getattr(self, name)
+            new = torch.empty(shape, dtype=old.dtype, device=old.device)
+            new[:, :, : self.tail_len] = old[:, :, : self.tail_len]
+            setattr(self, name, new)
+
+    def get_seq_length(self) -> int:
+        return self.context_length + self.tail_len
+
+    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+        return self.get_seq_length() + cache_position.shape[0], 0
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` logical tokens (the context is never cut: only the tail shrinks)."""
+        if max_length < 0:
+            max_length = self.get_seq_length() + max_length
+        if max_length < self.context_length:
+            raise ValueError(
+                f"cannot crop a compact layer to {max_length} tokens: its compressed context alone is "
+                f"{self.context_length} (only tokens added after the compression can be removed)"
+            )
+        self.tail_len = min(self.tail_len, max_length - self.context_length)
+
+    def reset(self) -> None:
+        self.tail_len = 0
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("beam search is not supported on the compact layout (CompactCachePress)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("the compact layout does not support batch_repeat_interleave")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("the compact layout does not support batch_select_indices")
+
+    def offload(self):  # nothing is offloaded: the packed layout stays where it is
+        pass
+
+    def prefetch(self):
+        pass
+
+    # kvpress's pipeline removes answers with `layer.keys = layer.keys[:, :, :n]` (and the same for values)
+    @property
+    def keys(self):  # type: ignore[override]
+        return LogicalView(self, self.get_seq_length()) if self.is_initialized else None
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._assign(value)
+
+    @property
+    def values(self):  # type: ignore[override]
+        return LogicalView(self, self.get_seq_length()) if self.is_initialized else None
+
+    @values.setter
+    def values(self, value) -> None:
+        self._assign(value)
+
+    def _assign(self, value) -> None:
+        if value is None and not getattr(self, "is_initialized", False):  # CacheLayerMixin.__init__
+            return
+        if isinstance(value, LogicalView) and value.layer is self:
+            self.crop(value.length)
+            return
+        raise TypeError(
+            "a CompactLayer's keys/values cannot be replaced by a tensor (its entries are packed per head); "
+            "crop with layer.crop(n), or build a new layer with CompactLayer.from_keep_mask"
+        )
+
+    # ---- inspection -------------------------------------------------------------------------------------------
+
+    def segment_lengths(self) -> torch.Tensor:
+        """``(B, H_kv)`` context entries held per (batch row, KV head)."""
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).view(self.batch_size, self.num_kv_heads)
+
+    def segments(self, b: int, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, values, positions)`` of the context entries of batch row ``b``, KV head ``h`` (views)."""
+        s = b * self.num_kv_heads + h
+        lo, hi = int(self.cu_seqlens[s]), int(self.cu_seqlens[s + 1])
+        return self.packed_keys[lo:hi], self.packed_values[lo:hi], self.positions[lo:hi]
+
+    def nbytes(self, reserved: bool = True) -> int:
+        """Bytes held: packed context, tail (its whole capacity when ``reserved``) and index tensors."""
+        tail = self.tail_keys if reserved else self.tail_keys[:, :, : self.tail_len]
+        element = self.packed_keys.element_size()
+        data = 2 * (self.packed_keys.numel() + tail.numel()) * element
+        return data + self.cu_seqlens.numel() * 8 + self.positions.numel() * 4
+
+    def dense(self, fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A padded dense copy ``(keys, values, valid)`` of shape ``(B, H_kv, max_len + tail, d)`` (for tests)."""
+        width = self.max_seqlen + self.tail_len
+        shape = (self.batch_size, self.num_kv_heads, width, self.head_dim)
+        k = torch.full(shape, fill, dtype=self.dtype, device=self.device)
+        v = torch.full(shape, fill, dtype=self.dtype, device=self.device)
+        valid = torch.zeros(shape[:3], dtype=torch.bool, device=self.device)
+        for b in range(self.batch_size):
+            for h in range(self.num_kv_heads):
+                sk, sv, _ = self.segments(b, h)
+                n = sk.shape[0]
+                k[b, h, :n], v[b, h, :n], valid[b, h, :n] = sk, sv, True
+                k[b, h, n : n + self.tail_len] = self.tail_keys[b, h, : self.tail_len]
+                v[b, h, n : n + self.tail_len] = self.tail_values[b, h, : self.tail_len]
+                valid[b, h, n : n + self.tail_len] = True
+        return k, v, valid
+
+    def __repr__(self):
+        return (
+            f"CompactLayer(batch={self.batch_size}, kv_heads={self.num_kv_heads}, entries={self.packed_keys.shape[0]}, "
+            f"context_length={self.context_length}, tail={self.tail_len}/{self.tail_keys.shape[2]})"
+        )

@@ -1,0 +1,51 @@
+"""Turning one layer of a ``DynamicCache`` that a press has just compressed into a :class:`CompactLayer`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvpress_critical.cache.compact import DEFAULT_RESERVE, CompactLayer
+
+
+def layer_sliding_window(module: nn.Module) -> int | None:
+    """The sliding window a layer's attention uses (``None``: full attention).
+
+    Gemma3, Qwen2 and Qwen3 keep it per layer (``module.sliding_window``); Mistral and Phi-3 pass their config's.
+    """
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    return getattr(getattr(module, "config", None), "sliding_window", None)
+
+
+def is_sliding_layer(module: nn.Module) -> bool:
+    """Whether the layer attends through a sliding window (its cache stays dense: the compact op has no window)."""
+    return layer_sliding_window(module) is not None
+
+
+def keep_mask_from_indices(masked_key_indices, shape: tuple[int, int, int], device) -> torch.Tensor:
+    """``(B, H_kv, T)`` bool: True except at kvpress's ``masked_key_indices = (batch, head, seq)``."""
+    keep = torch.ones(shape, dtype=torch.bool, device=device)
+    if masked_key_indices is not None:
+        b, h, s = (i.to(device) for i in masked_key_indices)
+        keep[b, h, s] = False
+    return keep
+
+
+def compact_layer(cache, layer_idx: int, module: nn.Module, reserve: int = DEFAULT_RESERVE) -> CompactLayer | None:
+    """
+    Replace ``cache.layers[layer_idx]`` (dense, just compressed) by its compact layout.
+
+    The entries kept are those not listed in ``module.masked_key_indices`` (head-wise presses), or all of the layer's
+    entries (pruning presses already dropped the others); the masks are then cleared, since the compact layer holds
+    only kept entries. Returns the new layer, or ``None`` when the layer is left as it is (already compact, empty).
+    """
+    layer = cache.layers[layer_idx]
+    if isinstance(layer, CompactLayer) or layer.keys is None or layer.keys.numel() == 0:
+        return None
+    keys, values = layer.keys, layer.values
+    keep = keep_mask_from_indices(getattr(module, "masked_key_indices", None), keys.shape[:3], keys.device)
+    compact = CompactLayer.from_keep_mask(keys, values, keep, reserve=reserve)
+    cache.layers[layer_idx] = compact
+    module.masked_key_indices = None
+    return compact

@@ -1,0 +1,221 @@
+"""``ragged_attention``: attention over the compact per-head KV layout, and the single place its backend is chosen.
+
+The layout (:mod:`kvpress_critical.cache`): the entries a head-wise press kept for each (batch row, KV head) are
+packed segment after segment (``keys``, ``values``: ``(N, d)``; segment ``s = b * H_kv + h`` at rows
+``cu_seqlens[s]:cu_seqlens[s + 1]``, flash-attn's varlen convention), and the tokens added afterwards (the question,
+the generated tokens) are a dense tail shared by every head, ``(B, H_kv, C, d)`` with ``tail_len`` valid of ``C``
+reserved. The op computes, for the ``q`` new tokens (the last ``q`` of the tail), softmax attention over their
+segment's context entries plus the tail up to themselves (causal), with GQA inside (query heads ``h * G ..
+(h + 1) * G - 1`` read KV head ``h``; nothing is repeated), softmax in float32.
+
+Backends (:data:`RAGGED_ATTENTION`; ``auto`` order CPU ``cpp`` > ``torch``, CUDA ``flash`` > ``triton`` > ``torch``;
+``$KVPRESS_CRITICAL_ATTENTION_BACKEND`` replaces ``auto``): ``torch`` (portable), ``cpp`` (the C++ extension,
+parallel over segments and chunks of them), ``triton`` (CUDA; the interpreter on CPU tensors for tests) and
+``flash`` (flash-attn's ``flash_attn_varlen_func`` on the packed context and ``flash_attn_func`` on the tail, merged
+by log-sum-exp; fp16 / bf16, when the package ``flash-attn`` is installed).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvpress_critical.ops.cpp_backend import cpp_availability, extension_state
+from kvpress_critical.ops.flash_backend import flash_availability, flash_supports, ragged_attention_flash
+from kvpress_critical.ops.registry import Backend, OpRegistry
+from kvpress_critical.ops.torch_attention import ragged_attention_torch
+from kvpress_critical.ops.triton_backend import triton_availability, triton_devices
+
+logger = logging.getLogger(__name__)
+
+AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("flash", "triton", "torch"), "cpu": ("cpp", "torch")}
+RAGGED_ATTENTION = OpRegistry("ragged_attention", AUTO_ORDER, env_var="KVPRESS_CRITICAL_ATTENTION_BACKEND")
+
+
+def _check_inputs(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len) -> None:
+    if query.dim() != 4:
+        raise ValueError(f"query must be (batch, heads, q_len, head_dim), got shape {tuple(query.shape)}")
+    if keys.dim() != 2 or keys.shape != values.shape:
+        raise ValueError(f"keys and values must be packed (entries, head_dim), got {tuple(keys.shape)}, "
+                         f"{tuple(values.shape)}")  # fmt: skip
+    if tail_keys.dim() != 4 or tail_keys.shape != tail_values.shape:
+        raise ValueError(
+            f"tail keys/values must be (batch, kv_heads, capacity, head_dim), got {tuple(tail_keys.shape)}"
+        )
+    bsz, heads, _, head_dim = query.shape
+    num_kv_heads = tail_keys.shape[1]
+    if keys.shape[1] != head_dim or tail_keys.shape[3] != head_dim or tail_keys.shape[0] != bsz:
+        raise ValueError("query, keys and tail keys disagree on batch size or head_dim")
+    if num_kv_heads == 0 or heads % num_kv_heads:
+        raise ValueError(f"the query's {heads} heads are not a multiple of the cache's {num_kv_heads} KV heads")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() != bsz * num_kv_heads + 1:
+        raise ValueError(f"cu_seqlens must have batch * kv_heads + 1 = {bsz * num_kv_heads + 1} entries, got "
+                         f"{tuple(cu_seqlens.shape)}")  # fmt: skip
+    if not 0 <= tail_len <= tail_keys.shape[2]:
+        raise ValueError(f"tail_len {tail_len} outside the tail's capacity {tail_keys.shape[2]}")
+    devices = {t.device for t in (query, keys, values, tail_keys, tail_values)}
+    if len(devices) != 1:
+        raise ValueError(f"the query and the cache are on different devices: {sorted(map(str, devices))}")
+
+
+def ragged_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    tail_keys: torch.Tensor,
+    tail_values: torch.Tensor,
+    tail_len: int,
+    scale: float,
+    max_seqlen: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """
+    Attention of ``q`` new tokens over the compact per-head layout (module docstring).
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``(B, H, q, d)`` post-RoPE queries, any float dtype.
+    keys, values : torch.Tensor
+        ``(N, d)`` packed context entries, segment ``b * H_kv + h`` at ``cu_seqlens[s]:cu_seqlens[s + 1]``.
+    cu_seqlens : torch.Tensor
+        ``(B * H_kv + 1,)`` int offsets (on CPU or on the cache's device).
+    tail_keys, tail_values : torch.Tensor
+        ``(B, H_kv, C, d)`` appended tokens, the first ``tail_len`` valid; the queries are the last ``q`` of them.
+    tail_len : int
+    scale : float
+        Softmax scale.
+    max_seqlen : int, optional
+        The longest segment (flash-attn needs it on the host; computed when not given).
+    backend : str
+        ``"auto"`` or a name from ``RAGGED_ATTENTION.available()``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, q, H, d)`` in the query's dtype; a query that sees no entry gets zeros.
+    """
+    _check_inputs(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len)
+    name = RAGGED_ATTENTION.resolve(backend, query.device, query, keys)
+    return RAGGED_ATTENTION[name].fn(
+        query, keys, values, cu_seqlens, tail_keys, tail_values, int(tail_len), float(scale), max_seqlen
+    )
+
+
+def ragged_attention_ext(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len, scale, max_seqlen=None):
+    """The C++ extension's CPU kernel (``kvpress_critical::ragged_attention``)."""
+    reason = extension_state().reason
+    if reason is not None:
+        raise RuntimeError(reason)
+    cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
+    return torch.ops.kvpress_critical.ragged_attention(query, keys, values, cu, tail_keys, tail_values, tail_len, scale)
+
+
+def _triton(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len, scale, max_seqlen=None):
+    from kvpress_critical.ops.triton_backend.attention_launcher import launch_ragged_attention
+
+    return launch_ragged_attention(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len, scale, max_seqlen)
+
+
+def _cpp_attention_availability() -> str | None:
+    reason = cpp_availability()
+    if reason is None and not hasattr(torch.ops.kvpress_critical, "ragged_attention"):
+        return "the C++ extension was built without the ragged attention kernel: run `make build`"
+    return reason
+
+
+RAGGED_ATTENTION.register(Backend("torch", ragged_attention_torch, ("cpu", "cuda"), lambda: None))
+RAGGED_ATTENTION.register(Backend("cpp", ragged_attention_ext, ("cpu",), _cpp_attention_availability))
+RAGGED_ATTENTION.register(Backend("triton", _triton, triton_devices, triton_availability))
+RAGGED_ATTENTION.register(
+    Backend("flash", ragged_attention_flash, ("cuda",), flash_availability, supports=flash_supports)
+)
+
+
+def random_layout(
+    bsz: int,
+    num_kv_heads: int,
+    group: int,
+    q_len: int,
+    head_dim: int,
+    lengths,
+    tail_len: int,
+    capacity: int | None = None,
+    dtype=torch.float32,
+    device="cpu",
+    seed: int = 0,
+):
+    """
+    Random inputs of :func:`ragged_attention`: ``lengths`` gives the context entries of each of the
+    ``bsz * num_kv_heads`` segments. Returns ``(query, keys, values, cu_seqlens, tail_keys, tail_values)``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.as_tensor(list(lengths), dtype=torch.int64)
+    if lengths.numel() != bsz * num_kv_heads:
+        raise ValueError(f"{lengths.numel()} lengths for {bsz * num_kv_heads} segments")
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    cu[1:] = lengths.cumsum(0)
+    n = int(cu[-1])
+    capacity = tail_len if capacity is None else capacity
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    return (
+        rand(bsz, num_kv_heads * group, q_len, head_dim),
+        rand(n, head_dim),
+        rand(n, head_dim),
+        cu.to(device),
+        rand(bsz, num_kv_heads, capacity, head_dim),
+        rand(bsz, num_kv_heads, capacity, head_dim),
+    )
+
+
+def smoke_cases(device: torch.device, tokens: int) -> list[dict]:
+    """Every available backend of ``device`` against the reference on unequal heads (``benchmarks/gpu_smoke.py``)."""
+    import time
+
+    from kvpress_critical.ops.naive import ragged_attention_ref
+
+    rows = []
+    names = [n for n in RAGGED_ATTENTION.available(device) if n != "torch"] + ["torch"]
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for q_len in (1, 7):
+            lengths = [tokens, 0, 1, tokens // 3, 2 * tokens, 17]  # batch 3 x 2 KV heads, very unequal
+            inputs = random_layout(3, 2, 4, q_len, 128, lengths, tail_len=q_len + 5, capacity=q_len + 9, dtype=dtype)
+            ref = ragged_attention_ref(*inputs, tail_len=q_len + 5, scale=128**-0.5).double()
+            for name in names:
+                backend = RAGGED_ATTENTION[name]
+                if backend.refusal(inputs[0], inputs[1]) is not None:
+                    continue
+                moved = [t.to(device) for t in inputs]
+                start = time.perf_counter()
+                out = ragged_attention(*moved, tail_len=q_len + 5, scale=128**-0.5, backend=name)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                error = float((out.cpu().double() - ref).abs().max())
+                tol = ATTENTION_TOLERANCE[dtype]
+                rows.append(
+                    dict(
+                        op="ragged_attention",
+                        backend=name,
+                        dtype=str(dtype).replace("torch.", ""),
+                        q_len=q_len,
+                        max_abs_error=error,
+                        ok=bool(error <= tol[1] + tol[0] * float(ref.abs().max()) and not torch.isnan(out).any()),
+                        seconds=round(time.perf_counter() - start, 4),
+                    )
+                )
+    return rows
+
+
+#: Tolerances ``(rtol, atol)`` of an attention output against the float64 reference, per input dtype: inputs are
+#: exact in float32, so the error is float32 accumulation (~1e-6 relative) plus, for 16-bit outputs, the rounding
+#: of the result to the output dtype (half an ulp: 2^-9 for bf16, 2^-12 for fp16, relative to the output scale).
+ATTENTION_TOLERANCE = {
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (2**-8, 2**-8),
+    torch.float16: (2**-10, 2**-10),
+}

@@ -1,0 +1,52 @@
+"""The ``"torch"`` backend of :func:`kvpress_critical.ops.ragged_attention`: plain PyTorch, any device.
+
+One segment (batch row, KV head) at a time: the segment's ``G`` query heads and ``q`` queries form one
+``(G * q, d)`` problem against its context entries and against the tail, each scored in float32 without copying
+the cache (no ``repeat_kv``, no concatenation); the two softmax parts are merged by their log-sum-exp. A Python
+loop over segments: the portable fallback (``cpp`` on CPU and ``flash`` / ``triton`` on CUDA are the fast paths).
+"""
+
+import torch
+
+
+def _part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+    """(max, sum, unnormalised output) of softmax(q k^T) v in float32; q: (R, d), k, v: (n, d)."""
+    scores = q @ k.float().T  # (R, n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    peak = scores.amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)  # finite even if all masked
+    weights = torch.exp(scores - peak)
+    return peak, weights.sum(-1, keepdim=True), weights @ v.float()
+
+
+def ragged_attention_torch(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len, scale, max_seqlen=None):
+    """See :func:`kvpress_critical.ops.ragged_attention`."""
+    bsz, heads, q_len, head_dim = query.shape
+    num_kv_heads = tail_keys.shape[1]
+    group = heads // num_kv_heads
+    out = torch.empty(bsz, q_len, heads, head_dim, dtype=query.dtype, device=query.device)
+    offsets = cu_seqlens.tolist()
+    rows = torch.arange(q_len, device=query.device)
+    tail_mask = None
+    if tail_len:
+        tail_mask = torch.arange(tail_len, device=query.device)[None, :] <= (tail_len - q_len + rows)[:, None]
+        tail_mask = tail_mask.repeat(group, 1)  # row r = g * q + i
+    for b in range(bsz):
+        for h in range(num_kv_heads):
+            s = b * num_kv_heads + h
+            q = query[b, h * group : (h + 1) * group].reshape(group * q_len, head_dim).float() * scale
+            parts = []
+            if offsets[s + 1] > offsets[s]:
+                parts.append(_part(q, keys[offsets[s] : offsets[s + 1]], values[offsets[s] : offsets[s + 1]], None))
+            if tail_len:
+                parts.append(_part(q, tail_keys[b, h, :tail_len], tail_values[b, h, :tail_len], tail_mask))
+            if not parts:
+                result = torch.zeros(group * q_len, head_dim, device=query.device)
+            else:
+                peak = torch.stack([p[0] for p in parts]).amax(0)
+                weights = [torch.exp(p[0] - peak) for p in parts]
+                total = sum(w * p[1] for w, p in zip(weights, parts))
+                result = sum(w * p[2] for w, p in zip(weights, parts)) / total.clamp_min(1e-30)
+                result = torch.where(total > 0, result, torch.zeros_like(result))
+            out[b, :, h * group : (h + 1) * group] = result.view(group, q_len, head_dim).transpose(0, 1).to(out.dtype)
+    return out

@@ -1,0 +1,76 @@
+"""Launcher of the Triton ragged attention: split of every segment into chunks (flash-decoding), grid, and the
+log-sum-exp merge of the partial results."""
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from kvpress_critical.ops.triton_backend.attention_kernel import get_attention_kernel
+from kvpress_critical.ops.triton_backend.kernel import interpreter_enabled
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _blocks(rows: int, head_dim: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    if interpreter_enabled():
+        return block_m, 32, block_d, 1, 1
+    return block_m, 64 if block_d <= 128 else 32, block_d, 4, 2
+
+
+def launch_ragged_attention(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len, scale, max_seqlen=None):
+    """See :func:`kvpress_critical.ops.ragged_attention`."""
+    bsz, heads, q_len, head_dim = query.shape
+    num_kv_heads = tail_keys.shape[1]
+    group = heads // num_kv_heads
+    segments = bsz * num_kv_heads
+    rows = group * q_len
+    out = torch.zeros(bsz, q_len, heads, head_dim, dtype=query.dtype, device=query.device)
+    if out.numel() == 0:
+        return out
+    cu = cu_seqlens.to(device=query.device, dtype=torch.int64)
+    if max_seqlen is None:
+        max_seqlen = int((cu[1:] - cu[:-1]).max()) if segments else 0
+    longest = max_seqlen + tail_len
+    if longest == 0:
+        return out
+    block_m, block_n, block_d, warps, stages = _blocks(rows, head_dim)
+    # enough programs to fill the GPU even with a few segments (decoding: B * H_kv may be 8)
+    target_programs = 4 * (torch.cuda.get_device_properties(query.device).multi_processor_count
+                           if query.device.type == "cuda" else 1)  # fmt: skip
+    row_blocks = triton.cdiv(rows, block_m)
+    n_splits = max(1, min(triton.cdiv(longest, block_n), triton.cdiv(target_programs, segments * row_blocks)))
+    chunk = triton.cdiv(triton.cdiv(longest, n_splits), block_n) * block_n
+    n_splits = triton.cdiv(longest, chunk)
+    rows_pad = row_blocks * block_m
+    partial_o = torch.empty(segments, n_splits, rows_pad, head_dim, dtype=torch.float32, device=query.device)
+    partial_ml = torch.empty(segments, n_splits, rows_pad, 2, dtype=torch.float32, device=query.device)
+    partial_ml[..., 0] = float("-inf")  # splits past a segment's end write nothing
+    partial_ml[..., 1] = 0.0
+    partial_o.zero_()
+    sixteen = query.dtype in (torch.float16, torch.bfloat16) and keys.dtype == query.dtype and not interpreter_enabled()
+    compute = _TL_DTYPES[query.dtype] if sixteen else tl.float32
+    guard = torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        get_attention_kernel()[(segments, n_splits, row_blocks)](
+            query, keys, values, cu, tail_keys, tail_values, partial_o, partial_ml,
+            *query.stride(), *keys.stride(), *values.stride(), *tail_keys.stride(), *tail_values.stride(),
+            num_kv_heads, group, q_len, head_dim, tail_len, float(scale), chunk, n_splits, rows_pad,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, COMPUTE_DTYPE=compute,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    # merge the splits of every (segment, row): log-sum-exp weights
+    m, denom = partial_ml[..., 0], partial_ml[..., 1]  # (S, n_splits, rows_pad)
+    peak = m.amax(1, keepdim=True)
+    weight = torch.exp(m - torch.where(torch.isinf(peak), torch.zeros_like(peak), peak))
+    weight = torch.where(torch.isinf(m), torch.zeros_like(weight), weight)
+    total = (weight * denom).sum(1)  # (S, rows_pad)
+    merged = (weight.unsqueeze(-1) * partial_o).sum(1) / total.clamp_min(1e-30).unsqueeze(-1)
+    merged = torch.where(total.unsqueeze(-1) > 0, merged, torch.zeros_like(merged))[:, :rows]  # (S, G * q, d)
+    merged = merged.view(bsz, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
+    out.copy_(merged.reshape(bsz, q_len, heads, head_dim))
+    return out

@@ -1,0 +1,195 @@
+"""The ragged attention op: every backend against the float64 reference over a grid of layouts, and its dispatch.
+
+Grid: segment lengths 0 / 1 / odd / long and very unequal across heads, GQA groups 1 / 4 / 7, head_dim 64 / 80 / 128,
+q_len 1 (decoding) and > 1 (a question, causal among the new tokens), batch 1 and 3, fp32 and bf16. Inputs are
+NaN-poisoned where no backend may read them (the tail's reserved capacity past ``tail_len``), so an out-of-range
+read shows as NaN. Triton runs in its interpreter on CPU (tiny shapes); flash-attn's adapter runs against a stand-in
+module with flash-attn's signatures (the real kernels need a GPU: benchmarks/gpu_check.sh).
+"""
+
+import sys
+import types
+
+import pytest
+import torch
+
+from kvpress_critical.ops import RAGGED_ATTENTION, flash_backend, ragged_attention, ragged_attention_ref
+from kvpress_critical.ops.ragged_attention import ATTENTION_TOLERANCE, random_layout
+from kvpress_critical.ops.registry import BackendUnavailableError
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+# lengths of the 2 KV heads x batch rows: empty, single, odd, long, very unequal
+LENGTHS = {1: [0, 37], 3: [1, 300, 0, 5, 129, 2]}
+
+
+def make(bsz, group, q_len, head_dim, dtype, tail_extra=3, capacity_extra=4, lengths=None, seed=0):
+    lengths = LENGTHS[bsz] if lengths is None else lengths
+    tail_len = q_len + tail_extra
+    inputs = list(random_layout(bsz, 2, group, q_len, head_dim, lengths, tail_len, tail_len + capacity_extra,
+                                dtype=dtype, seed=seed))  # fmt: skip
+    inputs[4][:, :, tail_len:] = float("nan")  # reserved tail capacity: never read
+    inputs[5][:, :, tail_len:] = float("nan")
+    return inputs, tail_len
+
+
+def check(backend, bsz, group, q_len, head_dim, dtype, **kw):
+    inputs, tail_len = make(bsz, group, q_len, head_dim, dtype, **kw)
+    scale = head_dim**-0.5
+    ref = ragged_attention_ref(*inputs, tail_len=tail_len, scale=scale).double()
+    moved = [t.to(DEVICE) for t in inputs]
+    out = ragged_attention(*moved, tail_len=tail_len, scale=scale, backend=backend)
+    assert out.shape == (bsz, q_len, 2 * group, head_dim) and out.dtype == dtype
+    assert not torch.isnan(out).any(), f"{backend}: NaN (a read past the valid entries)"
+    rtol, atol = ATTENTION_TOLERANCE[dtype]
+    values_scale = max(float(inputs[2].abs().max()) if inputs[2].numel() else 1.0, 1.0)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=0, atol=atol + rtol * values_scale)
+
+
+def usable(name):
+    b = RAGGED_ATTENTION[name]
+    return b.availability() is None and DEVICE in b.device_types()
+
+
+CPU_BACKENDS = [n for n in ("torch", "cpp") if RAGGED_ATTENTION[n].availability() is None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("q_len", [1, 6])
+@pytest.mark.parametrize("bsz", [1, 3])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_cpu_backends_match_reference(backend, bsz, q_len, group, head_dim, dtype):
+    check(backend, bsz, group, q_len, head_dim, dtype)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_long_and_unequal_segments_split_across_threads(backend):
+    """Segments longer than a work item (the C++ kernel splits them) next to empty ones."""
+    check(backend, 3, 4, 1, 64, torch.float32, lengths=[2000, 0, 3, 1100, 1, 700], tail_extra=0)
+    check(backend, 1, 4, 5, 128, torch.bfloat16, lengths=[1500, 7], tail_extra=2)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_queries_that_see_nothing_get_zeros(backend):
+    inputs, _ = make(1, 2, 3, 16, torch.float32, lengths=[0, 0], tail_extra=0)
+    out = ragged_attention(*inputs, tail_len=1, scale=0.25, backend=backend)  # queries 0, 1 see no entry
+    assert torch.equal(out[:, :2], torch.zeros_like(out[:, :2]))
+    torch.testing.assert_close(out, ragged_attention_ref(*inputs, tail_len=1, scale=0.25))
+
+
+def test_strided_inputs():
+    """Queries as transformers passes them (a transposed view) and packed entries with a row stride."""
+    inputs, tail_len = make(3, 4, 2, 64, torch.float32)
+    query = inputs[0].transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, q, d) view of (B, q, H, d) storage
+    keys = torch.cat([inputs[1], inputs[1]], dim=1)[:, :64]  # row stride 128
+    ref = ragged_attention_ref(*inputs, tail_len=tail_len, scale=0.125)
+    for backend in CPU_BACKENDS:
+        out = ragged_attention(query, keys, *inputs[2:], tail_len=tail_len, scale=0.125, backend=backend)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+TRITON_CASES = [(1, 1, 1, 64, torch.float32), (3, 4, 6, 80, torch.bfloat16), (3, 7, 1, 128, torch.float32)]
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_triton_matches_reference(case):
+    if not usable("triton"):
+        pytest.skip(RAGGED_ATTENTION["triton"].availability() or "Triton does not run on this device here")
+    check("triton", *case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_gpu_backends_match_reference(dtype):
+    probe = torch.empty(1, 64, dtype=dtype)  # flash-attn: 16-bit, head_dim a multiple of 8
+    names = [n for n in ("triton", "flash") if usable(n) and RAGGED_ATTENTION[n].refusal(probe, probe) is None]
+    if not names:
+        pytest.skip("no GPU backend of the ragged attention is available")
+    for name in names:
+        for bsz in (1, 3):
+            for group in (1, 4, 7):
+                for q_len in (1, 6):
+                    for head_dim in (64, 128):
+                        check(name, bsz, group, q_len, head_dim, dtype)
+
+
+# ---- flash-attn's adapter, against a stand-in module with flash-attn's signatures --------------------------------
+
+
+def _flash_reference(q, k, v, scale, causal, cu_q=None, cu_k=None):
+    """flash-attn's semantics: (out, lse, None); an empty key set gives out 0 and lse +inf, as flash-attn 2 does."""
+    outs, lses = [], []
+    spans = [(0, q.shape[0], 0, k.shape[0])] if cu_q is None else [
+        (int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])) for i in range(len(cu_q) - 1)
+    ]  # fmt: skip
+    for q0, q1, k0, k1 in spans:
+        qs, ks, vs = q[q0:q1].float(), k[k0:k1].float(), v[k0:k1].float()  # (Lq, Hq, d), (Lk, Hk, d)
+        rep = qs.shape[1] // max(ks.shape[1], 1)
+        ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        if causal:  # bottom-right aligned
+            visible = (
+                torch.arange(ks.shape[0])[None, :] <= (ks.shape[0] - qs.shape[0] + torch.arange(qs.shape[0]))[:, None]
+            )
+            scores = scores.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(scores, -1)  # (H, Lq)
+        weights = torch.softmax(scores, -1).nan_to_num(0.0)
+        outs.append(torch.einsum("hqk,khd->qhd", weights, vs).to(q.dtype))
+        lses.append(torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse))
+    return outs, lses
+
+
+def _fake_flash_attn():
+    module = types.ModuleType("flash_attn")
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False, return_attn_probs=False):
+        outs, lses = _flash_reference(q, k, v, softmax_scale, causal, cu_q, cu_k)
+        return torch.cat(outs), torch.cat(lses, dim=1), None  # lse (H, total_q), as flash-attn 2.x
+
+    def dense(q, k, v, softmax_scale=None, causal=False, return_attn_probs=False):  # (B, L, H, d)
+        results = [_flash_reference(q[b], k[b], v[b], softmax_scale, causal) for b in range(q.shape[0])]
+        return torch.stack([o[0] for o, _ in results]), torch.stack([lse[0] for _, lse in results]), None
+
+    module.flash_attn_varlen_func, module.flash_attn_func = varlen, dense
+    return module
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+@pytest.mark.parametrize("tail_extra", [0, 3])
+def test_flash_adapter_against_a_stand_in(monkeypatch, q_len, tail_extra):
+    monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn())
+    inputs, tail_len = make(3, 4, q_len, 64, torch.bfloat16, tail_extra=tail_extra)  # empty segments included
+    ref = ragged_attention_ref(*inputs, tail_len=tail_len, scale=0.125).double()
+    out = flash_backend.ragged_attention_flash(*inputs, tail_len=tail_len, scale=0.125)
+    rtol, atol = ATTENTION_TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=atol + rtol * float(inputs[2].abs().max()))
+
+
+def test_flash_refuses_float32():
+    assert "float16 / bfloat16" in flash_backend.flash_supports(torch.empty(1), torch.empty(1))
+    assert (
+        flash_backend.flash_supports(torch.empty(1, 64, dtype=torch.bfloat16), torch.empty(1, dtype=torch.bfloat16))
+        is None
+    )
+    inputs, tail_len = make(1, 2, 1, 64, torch.float32)
+    with pytest.raises(BackendUnavailableError):
+        ragged_attention(*inputs, tail_len=tail_len, scale=0.125, backend="flash")
+
+
+def test_dispatch():
+    assert RAGGED_ATTENTION.resolve("auto", torch.device("cpu")) in ("cpp", "torch")
+    if "cpp" in CPU_BACKENDS:
+        assert RAGGED_ATTENTION.resolve("auto", torch.device("cpu")) == "cpp"
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        RAGGED_ATTENTION.resolve("nope", torch.device("cpu"))
+    inputs, tail_len = make(1, 2, 1, 16, torch.float32)
+    with pytest.raises(ValueError, match="cu_seqlens must have"):
+        ragged_attention(inputs[0], inputs[1], inputs[2], inputs[3][:-1], *inputs[4:], tail_len=tail_len, scale=1.0)
+    with pytest.raises(ValueError, match="not a multiple"):
+        ragged_attention(inputs[0][:, :3], *inputs[1:], tail_len=tail_len, scale=1.0)
+    with pytest.raises(ValueError, match="capacity"):
+        ragged_attention(*inputs, tail_len=100, scale=1.0)
