@@ -138,6 +138,59 @@ def peak_extra_bytes(fn, device: torch.device) -> int:
     return peak
 
 
+def _proc_status(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def return_freed_memory_to_the_os(threshold: int = 1 << 16) -> bool:
+    """
+    Make glibc serve every allocation of ``threshold`` bytes or more with its own ``mmap`` and unmap it when freed
+    (``mallopt(M_MMAP_THRESHOLD)``; also fixes the threshold, which glibc otherwise raises up to 32 MiB after the
+    first large free). Resident memory then follows the live large allocations, so :class:`PeakResident` measures
+    them instead of the allocator's cache. Returns whether it took effect (glibc only).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, threshold)) and bool(libc.mallopt(m_trim_threshold, threshold))
+    except (OSError, AttributeError):
+        return False
+
+
+class PeakResident:
+    """
+    Peak resident memory of the process inside the block, above what was resident when it started (Linux).
+
+    Resets the kernel's high-water mark (``/proc/self/clear_refs``, "5") on entry and reads ``VmHWM`` on exit:
+    every page touched counts, whatever allocates it (torch, BLAS, Python), and memory freed and reused inside the
+    block counts once. ``extra`` is ``None`` where ``/proc`` does not offer this.
+    """
+
+    def __enter__(self):
+        import gc
+
+        gc.collect()
+        self.base = _proc_status("VmRSS")
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            self.base = None
+        return self
+
+    def __exit__(self, *exc):
+        peak = _proc_status("VmHWM")
+        self.extra = None if self.base is None or peak is None else peak - self.base
+
+
 class single_thread:
     """Context manager running torch with one intra-op thread (restored on exit)."""
 

@@ -26,10 +26,25 @@ def _layer_name(module: nn.Module) -> str:
     return f"{type(module).__name__}" + (f" (layer {idx})" if idx is not None else "")
 
 
+def decoder(model: nn.Module) -> nn.Module:
+    """The text decoder of a causal LM (``model.model``; Gemma3's multimodal models: ``model.model.language_model``)."""
+    return model.model.language_model if hasattr(model.model, "language_model") else model.model
+
+
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The ``self_attn`` module of every decoder layer (the modules kvpress hooks)."""
-    base = model.model.language_model if hasattr(model.model, "language_model") else model.model
-    return [layer.self_attn for layer in base.layers]
+    """The ``self_attn`` module of every decoder layer."""
+    return [layer.self_attn for layer in decoder(model).layers]
+
+
+def hooked_attention_modules(model: nn.Module) -> list[nn.Module]:
+    """
+    The attention modules kvpress compresses: every layer's, except the sliding-window layers of
+    ``Gemma3ForConditionalGeneration`` (kvpress's ``BasePress.__call__`` hooks only its global layers).
+    """
+    modules = attention_modules(model)
+    if type(model).__name__ == "Gemma3ForConditionalGeneration":
+        modules = [m for m in modules if not getattr(m, "is_sliding", False)]
+    return modules
 
 
 def get_o_proj(module: nn.Module) -> nn.Module:

@@ -35,7 +35,8 @@ def test_packing_keeps_exactly_the_kept_entries_in_order():
             assert torch.equal(pos.long(), expected)  # original positions, in order
             assert torch.equal(k, keys[b, h, expected]) and torch.equal(v, values[b, h, expected])
     assert layer.packed_keys.shape[0] == int(keep.sum())
-    assert layer.context_length == round(int(keep.sum()) / 6) and layer.get_seq_length() == layer.context_length
+    # the layer reports the dense layer's length: positions and masks elsewhere do not change at conversion
+    assert layer.context_length == 11 and layer.get_seq_length() == 11
 
 
 def test_appends_grow_the_tail_in_place_and_removal_shrinks_it():
@@ -110,7 +111,7 @@ def gemma3_with_sliding_layers():
     config = tf.Gemma3TextConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, attn_implementation="sdpa",
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=4096,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=16,
     )  # fmt: skip
     torch.manual_seed(0)
     return tf.Gemma3ForCausalLM(config).eval()
@@ -160,9 +161,9 @@ def test_pruning_presses_are_compacted_too():
 
 
 def test_clear_errors():
-    with pytest.raises(TypeError, match="compress during decoding"):
+    with pytest.raises(TypeError, match="compresses during decoding"):
         CompactCachePress(DecodingPress(CriticalAdaKVPress(KnormPress()), compression_interval=4, target_size=64))
-    with pytest.raises(TypeError, match="compress during decoding"):
+    with pytest.raises(TypeError, match="compresses during decoding"):
         CompactCachePress(
             PrefillDecodingPress(prefilling_press=KnormPress(0.5), decoding_press=DecodingPress(KnormPress()))
         )
@@ -178,6 +179,69 @@ def test_clear_errors():
     press = CompactCachePress(CriticalAdaKVPress(SnapKVPress(0.5)))
     press.compression_ratio = 0.25  # kvpress's runner sets the ratio on the outermost press
     assert press.press.compression_ratio == 0.25 and "CriticalAdaKVPress" in repr(press)
+
+
+def test_presses_that_drive_the_model_themselves_are_refused():
+    from kvpress import DMSPress, FinchPress, KVComposePress, KVzipPress, RestoreKVPress
+
+    for press, match in [
+        (KVzipPress(0.5), "KVzipPress: it drives the model"),
+        (RestoreKVPress(0.5), "RestoreKVPress: it drives the model"),
+        (KVComposePress(compression_ratio=0.5), "KVComposePress"),
+        (FinchPress(0.5), "FinchPress: kvpress's pipeline re-positions"),
+        (DMSPress(KnormPress(0.5), decoding=True), "DMSPress: its decoding compression"),
+        (AdaKVPress(KnormPress(0.5)), None),  # nested presses are inspected too, and this one is fine
+    ]:
+        if match is None:
+            CompactCachePress(press)
+        else:
+            with pytest.raises(TypeError, match=match):
+                CompactCachePress(press)
+    from kvpress import ComposedPress
+
+    with pytest.raises(TypeError, match="FinchPress"):
+        CompactCachePress(ComposedPress([KnormPress(0.2), FinchPress(0.5)]))
+
+
+def test_padded_batches_are_refused():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (2, 40))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :5] = 0  # left padding
+    with CompactCachePress(CriticalAdaKVPress(SnapKVPress(0.5, window_size=8)))(model):
+        with pytest.raises(NotImplementedError, match="padded batches"):
+            model.model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache())
+        model.model(input_ids=ids, attention_mask=torch.ones_like(mask), past_key_values=DynamicCache())  # no padding
+
+
+def test_conversion_keeps_every_reported_length():
+    """get_seq_length is the dense layer's: the positions and masks of the next forward are the masking layout's."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 256, (2, 50), generator=torch.Generator().manual_seed(0))
+    masked = DynamicCache()
+    with CriticalAdaKVPress(SnapKVPress(0.9, window_size=8))(model):  # < 1 entry per head on some heads
+        model.model(input_ids=ids, past_key_values=masked)
+    compact = compact_cache(model, ids, CompactCachePress(CriticalAdaKVPress(SnapKVPress(0.9, window_size=8))))
+    assert [x.get_seq_length() for x in compact.layers] == [x.get_seq_length() for x in masked.layers] == [50, 50]
+    assert compact.get_seq_length() == 50
+
+
+def test_windows_that_cannot_bind_are_full_attention():
+    """Phi-3-mini-128k / Phi-3.5 configure sliding_window 262144 for a 131072-position model: compacted."""
+    import transformers as tf
+
+    config = tf.Phi3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, sliding_window=4096, pad_token_id=0,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.Phi3ForCausalLM(config).eval()
+    ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(0))
+    cache = compact_cache(model, ids, CompactCachePress(CriticalAdaKVPress(SnapKVPress(0.5, window_size=8))))
+    assert all(isinstance(layer, CompactLayer) for layer in cache.layers)
+    out = model(input_ids=ids[:, :2], past_key_values=cache, position_ids=torch.tensor([[64, 65]]))
+    assert torch.isfinite(out.logits).all()
 
 
 def test_every_registered_attention_function_reads_the_compact_layout():
@@ -268,7 +332,8 @@ def test_smollm2_logits_and_answers_match_the_masking_layout(smollm2, smollm2_pi
                          max_new_tokens=12, cache=cache)  # fmt: skip
         assert compacted["answers"] == plain["answers"], f"ratio {ratio}"
         n_kept = int(ids.shape[1] * (1 - ratio))
-        assert [layer.get_seq_length() for layer in cache.layers] == [n_kept] * len(cache.layers)  # answers removed
+        lengths = [layer.get_seq_length() for layer in cache.layers]
+        assert lengths == [ids.shape[1]] * len(cache.layers) and all(x.tail_len == 0 for x in cache.layers)  # removed
         assert all(int(layer.packed_keys.shape[0]) == 3 * n_kept for layer in cache.layers)
 
 

@@ -193,3 +193,7 @@ def test_dispatch():
         ragged_attention(inputs[0][:, :3], *inputs[1:], tail_len=tail_len, scale=1.0)
     with pytest.raises(ValueError, match="capacity"):
         ragged_attention(*inputs, tail_len=100, scale=1.0)
+    for bad in (inputs[3] + 1, inputs[3].flip(0), inputs[3] * 2 + 1):  # not from 0, decreasing, past the entries
+        if not torch.equal(bad, inputs[3]):
+            with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+                ragged_attention(inputs[0], inputs[1], inputs[2], bad, *inputs[4:], tail_len=tail_len, scale=1.0)

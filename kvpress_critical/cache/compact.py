@@ -3,8 +3,9 @@
 After a head-wise press has chosen, for every (batch row, KV head), which context entries to keep,
 :meth:`CompactLayer.from_keep_mask` packs exactly those entries, segment after segment (``keys`` / ``values``:
 ``(N, d)``, segment ``s = b * H_kv + h`` at rows ``cu_seqlens[s]:cu_seqlens[s + 1]``, each in its original order,
-with its original positions in ``positions``), in the model's dtype. The dense full-length cache of the layer is
-then released: the layer holds ``N = sum of the budgets`` entries, not ``H_kv * T`` per row.
+with the position each entry had in the dense layer it came from in ``positions``), in the model's dtype. The dense
+full-length cache of the layer is then released: the layer holds ``N = sum of the budgets`` entries, not
+``H_kv * T`` per row.
 
 Tokens added afterwards (the question, the generated tokens) go to every head alike, into a dense **tail**
 ``(B, H_kv, C, d)`` with reserved capacity ``C``: appending writes in place, and when the tail is full its capacity
@@ -130,9 +131,11 @@ class CompactLayer(CacheLayerMixin):
         self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, keys.shape[-1]
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         self.max_seqlen = int(lengths.max()) if lengths.numel() else 0
-        self.context_length = context_length  # nominal length of the context part (the mean budget per head)
+        # the length the dense layer reported: positions and masks elsewhere in the model do not change at conversion
+        self.context_length = context_length
+        self.reserve = max(1, reserve)
         self.dtype, self.device = keys.dtype, keys.device
-        shape = (batch_size, num_kv_heads, max(1, reserve), self.head_dim)
+        shape = (batch_size, num_kv_heads, self.reserve, self.head_dim)
         self.tail_keys = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.tail_values = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.tail_len = 0
@@ -143,14 +146,14 @@ class CompactLayer(CacheLayerMixin):
     @classmethod
     def from_keep_mask(
         cls, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, reserve: int = DEFAULT_RESERVE,
-        positions: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None, context_length: int | None = None,
     ) -> "CompactLayer":  # fmt: skip
         """
         Pack the entries ``keep`` marks of a dense ``(B, H_kv, T, d)`` layer.
 
-        ``keep``: ``(B, H_kv, T)`` bool. ``positions``: ``(B, H_kv, T)`` original positions of the dense entries
-        (default ``0..T-1``). Every row's number of kept entries is divided by ``H_kv`` into the nominal context
-        length the model sees (``get_seq_length``): head-wise presses keep the same total per row.
+        ``keep``: ``(B, H_kv, T)`` bool (rows and heads may keep different numbers of entries). ``positions``:
+        ``(B, H_kv, T)`` positions of the dense entries (default ``0..T-1``). ``context_length``: the length the layer
+        reports to the model (``get_seq_length``; default ``T``, what the dense layer reported).
         """
         bsz, num_kv_heads, k_len, _ = keys.shape
         if keep.shape != keys.shape[:3]:
@@ -162,7 +165,6 @@ class CompactLayer(CacheLayerMixin):
         if positions is None:
             positions = torch.arange(k_len, device=keys.device, dtype=torch.int32).expand(bsz, num_kv_heads, k_len)
         # boolean indexing walks (b, h, t) in order: segments are contiguous, entries in their original order
-        nominal = round(int(cu[-1]) / max(1, bsz * num_kv_heads))
         return cls(
             keys[keep].contiguous(),
             values[keep].contiguous(),
@@ -170,7 +172,7 @@ class CompactLayer(CacheLayerMixin):
             positions.to(keys.device)[keep].to(torch.int32),
             bsz,
             num_kv_heads,
-            nominal,
+            k_len if context_length is None else context_length,
             reserve,
         )
 

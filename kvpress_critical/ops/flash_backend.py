@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from kvpress_critical.ops.offsets import offsets_on
+
+MIN_FLASH_VERSION = (2, 6)  # unpadded varlen log-sum-exp (nheads, total_q)
+
 
 def flash_availability() -> str | None:
     """None when flash-attn is importable and a GPU is visible, else why not."""
@@ -25,6 +29,15 @@ def flash_availability() -> str | None:
         return f"flash-attn is not installed ({e}): pip install 'kvpress-critical[flash]' on a machine with a CUDA GPU"
     if not torch.cuda.is_available():
         return "flash-attn needs a CUDA device and none is visible"
+    if torch.cuda.get_device_capability() < (8, 0):
+        capability = torch.cuda.get_device_capability()
+        return f"flash-attn 2 needs an Ampere or newer GPU (compute capability >= 8.0), got {capability}"
+    import flash_attn
+
+    version = tuple(int(p) for p in flash_attn.__version__.split(".")[:2] if p.isdigit())
+    if version < MIN_FLASH_VERSION:
+        # older releases return the varlen log-sum-exp padded to (batch, heads, max_seqlen_q)
+        return f"flash-attn {flash_attn.__version__} is older than {'.'.join(map(str, MIN_FLASH_VERSION))}"
     return None
 
 
@@ -56,7 +69,7 @@ def ragged_attention_flash(query, keys, values, cu_seqlens, tail_keys, tail_valu
     segments = bsz * num_kv_heads
     device = query.device
     parts = []  # (output (B, q, H, d) float32, lse (B, q, H) float32)
-    cu = cu_seqlens.to(device=device, dtype=torch.int32)
+    cu = offsets_on(cu_seqlens, device, torch.int32)
     lengths = cu[1:] - cu[:-1]
     if keys.shape[0] > 0:
         # queries per segment: (S * q, G, d), sequence s = b * H_kv + h, its G heads, its q tokens

@@ -52,6 +52,14 @@ def _check_inputs(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() != bsz * num_kv_heads + 1:
         raise ValueError(f"cu_seqlens must have batch * kv_heads + 1 = {bsz * num_kv_heads + 1} entries, got "
                          f"{tuple(cu_seqlens.shape)}")  # fmt: skip
+    if cu_seqlens.device.type == "cpu":  # (the compact layer keeps it on the host: checking costs no sync)
+        steps = cu_seqlens[1:] - cu_seqlens[:-1]
+        if int(cu_seqlens[0]) != 0 or bool((steps < 0).any()) or int(cu_seqlens[-1]) != keys.shape[0]:
+            raise ValueError(
+                f"cu_seqlens must start at 0, never decrease and end at the {keys.shape[0]} packed entries; got "
+                f"{cu_seqlens[0].item()}..{cu_seqlens[-1].item()}"
+                + (" (decreasing)" if bool((steps < 0).any()) else "")
+            )
     if not 0 <= tail_len <= tail_keys.shape[2]:
         raise ValueError(f"tail_len {tail_len} outside the tail's capacity {tail_keys.shape[2]}")
     devices = {t.device for t in (query, keys, values, tail_keys, tail_values)}

@@ -11,6 +11,21 @@ from kvpress_critical.ops.projected_norm import check_backend_name
 logger = logging.getLogger(__name__)
 
 
+def nested_presses(press) -> list:
+    """``press`` and every press inside it (``press``, ``base_press``, ``presses``, ``prefilling_press``...)."""
+    found, seen, stack = [], set(), [press]
+    while stack:
+        p = stack.pop()
+        if p is None or id(p) in seen or not hasattr(p, "compress"):
+            continue
+        seen.add(id(p))
+        found.append(p)
+        for name in ("press", "base_press", "prefilling_press", "decoding_press", "presses"):
+            child = getattr(p, name, None)
+            stack.extend(child if isinstance(child, (list, tuple)) else [child])
+    return found
+
+
 def check_ratio(value, name: str = "compression_ratio") -> None:
     if not isinstance(value, (int, float)) or not 0 <= value < 1:
         raise ValueError(

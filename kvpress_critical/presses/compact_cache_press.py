@@ -2,15 +2,41 @@ import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
 from kvpress import BasePress, DecodingPress, KeyRerotationPress, PrefillDecodingPress
 from kvpress.presses.base_press import is_prefilling
-from transformers import Gemma3ForConditionalGeneration
 
 from kvpress_critical.cache import DEFAULT_RESERVE, CompactLayer, compact_layer, install_attention, is_sliding_layer
-from kvpress_critical.modeling import attention_modules
-from kvpress_critical.presses.checks import check_ratio
+from kvpress_critical.modeling import decoder, hooked_attention_modules
+from kvpress_critical.presses.checks import check_ratio, nested_presses
 
 logger = logging.getLogger(__name__)
+
+
+def _unsupported_inside_compact(press) -> str | None:
+    """Why ``press`` cannot run inside CompactCachePress (None: it can)."""
+    if isinstance(press, DecodingPress) or (
+        isinstance(press, PrefillDecodingPress) and press.decoding_press is not None
+    ):
+        return (
+            "it compresses during decoding, and the compact layout is built once, after the prefill; "
+            "use it without CompactCachePress (masking layout)"
+        )
+    if getattr(press, "decoding", False) is True:  # DMSPress(decoding=True)
+        return "its decoding compression needs the dense layout; use decoding=False or no CompactCachePress"
+    if isinstance(press, KeyRerotationPress) or getattr(press, "rerotate_keys", False):
+        return (
+            "kvpress's pipeline re-positions the question after re-rotated keys only when the outermost press "
+            "re-rotates; use it without CompactCachePress"
+        )
+    own_call = type(press).__call__ is not BasePress.__call__ and not isinstance(press, PrefillDecodingPress)
+    if own_call and not getattr(type(press), "compact_compatible", False):
+        return (
+            "it drives the model with its own __call__ (e.g. compresses after the prefill, as KVzip, or replaces the "
+            "model's forward), while CompactCachePress compacts each layer as soon as the per-layer hooks "
+            "compressed it; use it without CompactCachePress"
+        )
+    return None
 
 
 @dataclass
@@ -28,11 +54,17 @@ class CompactCachePress(BasePress):
     layout (kvpress's default, what the inner press does alone) up to floating-point summation order.
 
     Works through kvpress's unchanged pipeline (``pipe(context, question=...)`` and ``questions=[...]``: each answer
-    is removed by shrinking the tail), with ``sdpa`` and ``flash_attention_2``. Sliding-window layers (Gemma3's local
-    layers, models configured with a window) keep their dense masked cache: the compact op has no window. Not
-    supported: eager attention (its attention function is not registered, so it cannot see the layout), and presses
-    that compress during decoding (``DecodingPress``, ``PrefillDecodingPress`` with a decoding press) or re-rotate
-    keys (``KeyRerotationPress``): each is a clear error.
+    is removed by shrinking the tail), with ``sdpa`` and ``flash_attention_2``. The layer reports the length the dense
+    layer had (``get_seq_length``), so positions and masks of the other layers are unchanged by the conversion.
+    Sliding-window layers (Gemma3's local layers, models configured with a real window) keep their dense masked cache:
+    the compact op has no window. Not supported, each a clear error: eager attention (its attention function is not
+    registered, so it cannot see the layout), padded batches, presses that compress during decoding
+    (``DecodingPress``, ``PrefillDecodingPress`` with a decoding press, ``DMSPress(decoding=True)``), re-rotate keys
+    (``KeyRerotationPress``, ``FinchPress(rerotate_keys=True)``) or drive the model themselves (KVzip, RestoreKV,
+    KVCompose, KVgrad).
+
+    Based on CriticalKV's head-wise budgets (https://arxiv.org/abs/2502.03805) and AdaKV
+    (https://arxiv.org/abs/2407.11550), with a varlen layout as in flash-attn's ``cu_seqlens``.
 
     Parameters
     ----------
@@ -51,19 +83,18 @@ class CompactCachePress(BasePress):
                             f"SnapKVPress(0.5))); got {type(self.press).__name__}")  # fmt: skip
         if isinstance(self.press, CompactCachePress):
             raise TypeError("CompactCachePress wraps a press once: pass its inner press directly")
-        decoding = isinstance(self.press, DecodingPress) or (
-            isinstance(self.press, PrefillDecodingPress) and self.press.decoding_press is not None
-        )
-        if decoding:
+        for inner in nested_presses(self.press):
+            problem = _unsupported_inside_compact(inner)
+            if problem:
+                raise TypeError(f"CompactCachePress does not support {type(inner).__name__}: {problem}")
+        inner = getattr(self.press, "press", None)
+        if getattr(type(self.press), "compact_compatible", False) and getattr(
+            inner, "applies_defensive_normalisation", False
+        ):
             raise TypeError(
-                "CompactCachePress does not support presses that compress during decoding (DecodingPress, "
-                "PrefillDecodingPress with a decoding_press): the compact layout is built once, after the prefill. "
-                "Use the decoding press without CompactCachePress (masking layout)."
-            )
-        if isinstance(self.press, KeyRerotationPress):
-            raise TypeError(
-                "CompactCachePress does not support KeyRerotationPress (kvpress's pipeline re-positions tokens only "
-                "when the outermost press is a KeyRerotationPress); use KeyRerotationPress without it"
+                f"CompactCachePress({type(self.press).__name__}({type(inner).__name__}(...))): DefensiveKV normalises "
+                "projected norms across heads entry by entry, which needs the aligned dense layout between chunks; "
+                f"use {type(self.press).__name__}({type(inner).__name__}(...)) without CompactCachePress"
             )
         if not isinstance(self.reserve, int) or self.reserve < 1:
             raise ValueError(f"reserve must be a positive number of tokens, got {self.reserve!r}")
@@ -78,14 +109,18 @@ class CompactCachePress(BasePress):
         self.press.compression_ratio = value
 
     def post_init_from_model(self, model):
-        impl = getattr(model.config, "_attn_implementation", None)
-        if impl == "eager":
+        self.check_attention(model)
+        self.press.post_init_from_model(model)
+
+    @staticmethod
+    def check_attention(model) -> None:
+        configs = [model.config, getattr(model.config, "text_config", None)]
+        if any(getattr(c, "_attn_implementation", None) == "eager" for c in configs if c is not None):
             raise ValueError(
                 "CompactCachePress needs a registered attention function (sdpa, flash_attention_2...): eager attention "
                 "calls the model's own function, which cannot read the compact layout. Load the model with "
                 "attn_implementation='sdpa'."
             )
-        self.press.post_init_from_model(model)
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         raise NotImplementedError(
@@ -93,17 +128,11 @@ class CompactCachePress(BasePress):
             "(e.g. CompactCachePress(CriticalAdaKVPress(SnapKVPress(0.5)))), not inside another wrapper"
         )
 
-    def _layers(self, model):
-        modules = attention_modules(model)
-        if isinstance(model, Gemma3ForConditionalGeneration):  # kvpress compresses only its global layers
-            modules = [m for m in modules if not m.is_sliding]
-        return modules
-
     @contextmanager
     def __call__(self, model):
-        self.post_init_from_model(model)
+        self.check_attention(model)
         install_attention()
-        modules = [m for m in self._layers(model) if not is_sliding_layer(m)]
+        modules = [m for m in hooked_attention_modules(model) if not is_sliding_layer(m)]
         if not modules:
             logger.warning(
                 "CompactCachePress: every layer of this model uses sliding-window attention; none is compacted"
@@ -129,9 +158,18 @@ class CompactCachePress(BasePress):
                 compact_layer(cache, module.layer_idx, module, self.reserve)
             return output
 
-        base_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
-        with self.press(model):
+        def padding_check(base, args, kwargs):
+            mask = kwargs.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+                raise NotImplementedError(
+                    "CompactCachePress does not support padded batches (the compact attention has no padding mask): "
+                    "run the rows one at a time, or use the inner press alone (masking layout)"
+                )
+
+        base_model = decoder(model)
+        with self.press(model):  # calls the inner press's post_init_from_model
             hooks = [m.register_forward_hook(layer_hook, with_kwargs=True) for m in modules]
+            hooks.append(base_model.register_forward_pre_hook(padding_check, with_kwargs=True))
             hooks.append(base_model.register_forward_hook(model_hook, with_kwargs=True))
             try:
                 yield

@@ -28,6 +28,7 @@ def _ragged_attention(
     BLOCK_N: tl.constexpr,  # entries per step
     BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two (masked)
     COMPUTE_DTYPE: tl.constexpr,  # operand dtype of the dots (fp32 accumulation)
+    INPUT_PRECISION: tl.constexpr,  # "ieee" for float32 operands (Triton's default would be tf32)
 ):  # fmt: skip
     # program (segment s, split of its entries, block of rows): partial softmax attention over entries
     # [split * chunk, (split + 1) * chunk) of the segment's virtual sequence "context entries, then tail"
@@ -49,7 +50,7 @@ def _ragged_attention(
     d_mask = offs_d < head_dim
     q_ptrs = q_ptr + b * sq_b + (kv * group + g)[:, None] * sq_h + i[:, None] * sq_i + offs_d[None, :] * sq_d
     q = tl.load(q_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-    q = (q.to(tl.float32) * scale).to(COMPUTE_DTYPE)
+    q = q.to(COMPUTE_DTYPE)  # the scale is applied to the fp32 scores (no extra rounding of q)
     last_visible = tail_len - q_len + i  # the last tail position row (g, i) sees
 
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -66,7 +67,7 @@ def _ragged_attention(
         kt = tl.load(tk_ptr + b * st_b + kv * st_h + tpos[:, None] * st_t + offs_d[None, :] * st_d, mask=tail_mask,
                      other=0.0)  # fmt: skip
         k = tl.where(in_ctx[:, None], kc.to(COMPUTE_DTYPE), kt.to(COMPUTE_DTYPE))  # (BLOCK_N, BLOCK_D)
-        scores = tl.dot(q, tl.trans(k), out_dtype=tl.float32)  # (BLOCK_M, BLOCK_N)
+        scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION, out_dtype=tl.float32) * scale  # (M, N)
         visible = valid[None, :] & (in_ctx[None, :] | (tpos[None, :] <= last_visible[:, None]))
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -77,7 +78,9 @@ def _ragged_attention(
         vt = tl.load(tv_ptr + b * su_b + kv * su_h + tpos[:, None] * su_t + offs_d[None, :] * su_d, mask=tail_mask,
                      other=0.0)  # fmt: skip
         v = tl.where(in_ctx[:, None], vc.to(COMPUTE_DTYPE), vt.to(COMPUTE_DTYPE))
-        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, out_dtype=tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(COMPUTE_DTYPE), v, input_precision=INPUT_PRECISION, out_dtype=tl.float32
+        )
         denom = denom * alpha + tl.sum(p, axis=1)
         m = m_new
 

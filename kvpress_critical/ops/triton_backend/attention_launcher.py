@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpress_critical.ops.offsets import offsets_on
 from kvpress_critical.ops.triton_backend.attention_kernel import get_attention_kernel
 from kvpress_critical.ops.triton_backend.kernel import interpreter_enabled
 
@@ -32,7 +33,7 @@ def launch_ragged_attention(query, keys, values, cu_seqlens, tail_keys, tail_val
     out = torch.zeros(bsz, q_len, heads, head_dim, dtype=query.dtype, device=query.device)
     if out.numel() == 0:
         return out
-    cu = cu_seqlens.to(device=query.device, dtype=torch.int64)
+    cu = offsets_on(cu_seqlens, query.device, torch.int64)
     if max_seqlen is None:
         max_seqlen = int((cu[1:] - cu[:-1]).max()) if segments else 0
     longest = max_seqlen + tail_len
@@ -49,9 +50,8 @@ def launch_ragged_attention(query, keys, values, cu_seqlens, tail_keys, tail_val
     rows_pad = row_blocks * block_m
     partial_o = torch.empty(segments, n_splits, rows_pad, head_dim, dtype=torch.float32, device=query.device)
     partial_ml = torch.empty(segments, n_splits, rows_pad, 2, dtype=torch.float32, device=query.device)
-    partial_ml[..., 0] = float("-inf")  # splits past a segment's end write nothing
-    partial_ml[..., 1] = 0.0
-    partial_o.zero_()
+    # every (split, row < rows) is written by the kernel (a split past its segment's end writes m = -inf, 0);
+    # the padding rows past `rows` are never read back
     sixteen = query.dtype in (torch.float16, torch.bfloat16) and keys.dtype == query.dtype and not interpreter_enabled()
     compute = _TL_DTYPES[query.dtype] if sixteen else tl.float32
     guard = torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext()
@@ -61,16 +61,17 @@ def launch_ragged_attention(query, keys, values, cu_seqlens, tail_keys, tail_val
             *query.stride(), *keys.stride(), *values.stride(), *tail_keys.stride(), *tail_values.stride(),
             num_kv_heads, group, q_len, head_dim, tail_len, float(scale), chunk, n_splits, rows_pad,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, COMPUTE_DTYPE=compute,
+            INPUT_PRECISION="tf32" if sixteen else "ieee",
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
     # merge the splits of every (segment, row): log-sum-exp weights
-    m, denom = partial_ml[..., 0], partial_ml[..., 1]  # (S, n_splits, rows_pad)
+    m, denom = partial_ml[:, :, :rows, 0], partial_ml[:, :, :rows, 1]  # (S, n_splits, rows)
     peak = m.amax(1, keepdim=True)
     weight = torch.exp(m - torch.where(torch.isinf(peak), torch.zeros_like(peak), peak))
     weight = torch.where(torch.isinf(m), torch.zeros_like(weight), weight)
-    total = (weight * denom).sum(1)  # (S, rows_pad)
-    merged = (weight.unsqueeze(-1) * partial_o).sum(1) / total.clamp_min(1e-30).unsqueeze(-1)
-    merged = torch.where(total.unsqueeze(-1) > 0, merged, torch.zeros_like(merged))[:, :rows]  # (S, G * q, d)
+    total = (weight * denom).sum(1)  # (S, rows)
+    merged = (weight.unsqueeze(-1) * partial_o[:, :, :rows]).sum(1) / total.clamp_min(1e-30).unsqueeze(-1)
+    merged = torch.where(total.unsqueeze(-1) > 0, merged, torch.zeros_like(merged))  # (S, G * q, d)
     merged = merged.view(bsz, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
     out.copy_(merged.reshape(bsz, q_len, heads, head_dim))
     return out

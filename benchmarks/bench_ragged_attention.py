@@ -1,0 +1,146 @@
+"""Micro-benchmark of one layer's decoding attention on the compact layout against dense ``F.sdpa``.
+
+Llama-3.1-8B's attention shapes (32 query heads, 8 KV heads, head_dim 128), batch 1, one new token, and an average of
+4K-32K kept entries per KV head, **unequal across heads** (a head-wise budget: lengths drawn from a log-normal and
+rescaled to the average, the longest about 3x the shortest), against ``scaled_dot_product_attention`` (GQA, no
+``repeat_kv``) over a dense cache with the same number of entries in total (every head at the average length): the
+cost a pruning press with the same budget would pay. Methods run interleaved round-robin on the same inputs.
+
+    python benchmarks/bench_ragged_attention.py                  # CPU: cpp and torch backends, fp32 and bf16
+    python benchmarks/bench_ragged_attention.py --device cuda    # GPU: triton, flash when installed, bf16
+"""
+
+import argparse
+import datetime
+import logging
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    command_line,
+    fmt,
+    machine_description,
+    markdown_table,
+    output_stem,
+    parse_arguments,
+    summary,
+    time_interleaved,
+    write_csv,
+    write_text,
+)
+
+from kvpress_critical.ops import RAGGED_ATTENTION, ragged_attention  # noqa: E402
+
+logger = logging.getLogger("bench_ragged_attention")
+
+SHAPE = dict(heads=32, kv_heads=8, head_dim=128)  # Llama-3.1-8B / Mistral-7B
+
+
+def unequal_lengths(average: int, heads: int, seed: int = 0) -> list[int]:
+    """Per-head lengths with the given average, log-normally spread (a head-wise budget's typical imbalance)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.exp(0.45 * torch.randn(heads, generator=gen))
+    lengths = (weights / weights.sum() * average * heads).round().long()
+    lengths[0] += average * heads - int(lengths.sum())  # exact total
+    return lengths.tolist()
+
+
+def run_case(average: int, dtype: torch.dtype, args, device: torch.device) -> list[dict]:
+    heads, kv_heads, d = SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
+    lengths = unequal_lengths(average, kv_heads)
+    gen = torch.Generator().manual_seed(1)
+    n = sum(lengths)
+    query = torch.randn(1, heads, 1, d, generator=gen).to(device, dtype)
+    keys = torch.randn(n, d, generator=gen).to(device, dtype)
+    values = torch.randn(n, d, generator=gen).to(device, dtype)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    tail = torch.randn(1, kv_heads, 64, d, generator=gen).to(device, dtype)
+    dense_k = torch.randn(1, kv_heads, average + 1, d, generator=gen).to(device, dtype)
+    dense_v = torch.randn(1, kv_heads, average + 1, d, generator=gen).to(device, dtype)
+    scale = d**-0.5
+
+    def dense():
+        return F.scaled_dot_product_attention(query, dense_k, dense_v, enable_gqa=True)
+
+    fns = {"sdpa (dense, same entries)": dense}
+    for name in RAGGED_ATTENTION.available(device):
+        if RAGGED_ATTENTION[name].refusal(query, keys) is None:
+            fns[f"ragged {name}"] = lambda b=name: ragged_attention(
+                query, keys, values, cu, tail, tail, 1, scale, max_seqlen=max(lengths), backend=b
+            )
+    if args.quick:
+        fns = {k: v for k, v in fns.items() if "torch" not in k}
+    times = time_interleaved(fns, args.repeats, device)
+    base = summary(times["sdpa (dense, same entries)"])[0]
+    bytes_read = 2 * n * d * keys.element_size()
+    rows = []
+    for name, samples in times.items():
+        best, median = summary(samples)
+        rows.append(
+            dict(
+                average_entries=average,
+                longest=max(lengths),
+                shortest=min(lengths),
+                dtype=str(dtype).replace("torch.", ""),
+                method=name,
+                best_ms=round(best * 1e3, 4),
+                median_ms=round(median * 1e3, 4),
+                x_sdpa=round(best / base, 3),
+                gb_per_s=round(bytes_read / best / 1e9, 1),
+            )
+        )
+        logger.info("avg %6d %s %-28s %8.3f ms (x sdpa %.2f)", average, rows[-1]["dtype"], name, best * 1e3,
+                    rows[-1]["x_sdpa"])  # fmt: skip
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    header = ["entries per head (avg / min / max)", "dtype", "method", "best ms", "x dense sdpa", "K+V GB/s"]
+    body = [
+        [
+            f"{r['average_entries']} / {r['shortest']} / {r['longest']}",
+            r["dtype"],
+            r["method"],
+            fmt(r["best_ms"], 3),
+            fmt(r["x_sdpa"]),
+            fmt(r["gb_per_s"], 1),
+        ]  # fmt: skip
+        for r in rows
+    ]
+    return markdown_table(header, body) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--averages", default="4096,8192,16384,32768", help="average kept entries per KV head")
+    parser.add_argument("--dtypes", default=None, help="default: float32,bfloat16 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="small sizes, no torch backend (gpu_check dry run)")
+    args = parse_arguments(parser, argv)
+    device = args.device
+    dtypes = args.dtypes or ("bfloat16" if device.type == "cuda" else "float32,bfloat16")
+    averages = [int(a) for a in ("256,1024" if args.quick else args.averages).split(",")]
+    stem = output_stem(args, "ragged_attention")
+    header = (
+        f"## Ragged attention (one layer, decoding) on {device.type.upper()}\n\n"
+        f"Machine: {machine_description(device)}. Measured {datetime.date.today()}; best of {args.repeats} "
+        f"interleaved calls after a warm-up. Llama-3.1-8B attention (32 query heads, 8 KV heads, head_dim 128), "
+        f"batch 1, one query; unequal per-head lengths vs a dense cache with the same total.\n"
+        f"Reproduce: `{command_line()}`\n\n"
+    )
+    rows = []
+    for dtype_name in dtypes.split(","):
+        for average in averages:
+            rows += run_case(average, getattr(torch, dtype_name), args, device)
+            write_csv(stem.with_suffix(".csv"), rows)
+            write_text(stem.with_suffix(".md"), header + render(rows))
+    print(header + render(rows), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
