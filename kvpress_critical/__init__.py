@@ -10,7 +10,16 @@ from kvpress_critical.ops import available_backends, projected_value_norm
 
 __version__ = "0.1.0"
 
-_PRESSES = ("CompactCachePress", "CriticalAdaKVPress", "CriticalKVPress")
+_PRESSES = (
+    "ChunkedPrefillPress",
+    "CompactCachePress",
+    "CriticalAdaKVPress",
+    "CriticalHeadKVPress",
+    "CriticalKVPress",
+    "DefensiveKVPress",
+    "HeadKVPress",
+    "LayerDefensiveKVPress",
+)
 
 try:
     import kvpress  # noqa: F401  (registers the pipeline and the attention patch)
@@ -18,7 +27,16 @@ except ImportError as error:  # the ops work without kvpress; the presses do not
     _KVPRESS_ERROR: ImportError | None = error
 else:
     _KVPRESS_ERROR = None
-    from kvpress_critical.presses import CompactCachePress, CriticalAdaKVPress, CriticalKVPress  # noqa: F401
+    from kvpress_critical.presses import (  # noqa: F401
+        ChunkedPrefillPress,
+        CompactCachePress,
+        CriticalAdaKVPress,
+        CriticalHeadKVPress,
+        CriticalKVPress,
+        DefensiveKVPress,
+        HeadKVPress,
+        LayerDefensiveKVPress,
+    )
 
 __all__ = [*_PRESSES, "available_backends", "projected_value_norm"]
 

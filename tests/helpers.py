@@ -51,10 +51,11 @@ def kept_masks(model, input_ids, press, original=None):
     compressed = prefill_keys(model, input_ids, press)
     masks = []
     for layer, (orig, comp) in enumerate(zip(original, compressed)):
-        if isinstance(press, AdaKVPress) or type(press).__name__ == "CriticalAdaKVPress":
-            module = attention_modules(model)[layer]
+        module = attention_modules(model)[layer]
+        idx = getattr(module, "masked_key_indices", None)
+        head_wise = isinstance(press, AdaKVPress) or type(press).__name__ == "CriticalAdaKVPress"
+        if head_wise or (idx is not None and comp.shape == orig.shape):  # masking (also inside wrappers)
             mask = torch.ones(orig.shape[:3], dtype=torch.bool)
-            idx = getattr(module, "masked_key_indices", None)
             if idx is not None:
                 b, h, s = (i.cpu() for i in idx)
                 mask[b, h, s] = False

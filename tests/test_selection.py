@@ -10,6 +10,7 @@ from kvpress_critical.selection import (
     critical_scores,
     first_stage_budget,
     safeguard_budget,
+    two_stage_keep_mask,
 )
 
 
@@ -120,3 +121,19 @@ def test_equal_base_scores_go_to_the_larger_projected_norm():
     keep, stage1, _ = critical_adakv_keep_mask(a, n, n_kept=3, alpha_safeguard=0.0, first_stage_ratio=0.5, epsilon=0)
     assert stage1[0, 0].nonzero().flatten().tolist() == [4]
     assert keep[0, 0].nonzero().flatten().tolist() == [4, 5, 6]  # then (A + eps) * N: 9.0 * 1.0 beats 0.2 * 1.0
+
+
+def test_excluded_entries_are_never_kept_even_with_zero_norms():
+    """(A = -inf) * (N = 0) is NaN, which sorts above every number: an excluded entry must still rank last."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.rand(2, 3, 20, generator=gen)
+    norm = torch.rand(2, 3, 20, generator=gen)
+    excluded = torch.zeros(2, 3, 20, dtype=torch.bool)
+    excluded[..., :6] = True
+    base = base.masked_fill(excluded, float("-inf"))
+    norm[..., :3] = 0.0  # excluded, and a zero projected norm (a zero value vector, or padding)
+    budgets = torch.full((2, 3), 10)
+    keep, stage1 = two_stage_keep_mask(base, norm, budgets, torch.full((2, 3), 2), 1e-4)
+    assert not bool((keep & excluded).any()) and bool((keep.sum(-1) == 10).all())
+    scores = critical_scores(base, norm, 2, 1e-4)
+    assert not bool(scores.isnan().any()) and bool((scores[excluded] == float("-inf")).all())

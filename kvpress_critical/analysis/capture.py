@@ -23,8 +23,8 @@ from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvpress_critical.modeling import attention_modules, module_projected_norm
-from kvpress_critical.presses import CriticalAdaKVPress, CriticalKVPress
-from kvpress_critical.selection import compute_n_kept, critical_adakv_keep_mask
+from kvpress_critical.presses import CriticalAdaKVPress, CriticalHeadKVPress, CriticalKVPress
+from kvpress_critical.selection import compute_n_kept, critical_adakv_keep_mask, two_stage_keep_mask
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,14 @@ def _select(press: BasePress, module, hidden_states, keys, values, attentions, k
         if not torch.equal(expected, keep):
             logger.warning("layer %s: could not reproduce %s's selection; no stage-1 set", module.layer_idx, press)
             stage1 = None
+    elif isinstance(press, CriticalHeadKVPress) and masked is not None and "inner" in scores:
+        budgets = press.layer_budgets(module, n_context).to(keys.device).unsqueeze(0)  # (1, H_kv)
+        n_first = torch.where(budgets > 0, (budgets * press.first_stage_ratio).long().clamp(min=1), 0)
+        norms = module_projected_norm(module, values, press.norm, press.backend)
+        expected, stage1 = two_stage_keep_mask(scores["inner"].float(), norms, budgets, n_first, press.epsilon)
+        if not torch.equal(expected, keep):
+            logger.warning("layer %s: could not reproduce %s's selection; no stage-1 set", module.layer_idx, press)
+            stage1 = None
     return LayerSelection(
         keep=keep[0],
         stage1=None if stage1 is None else stage1[0],
@@ -188,6 +196,13 @@ def prefill_with_presses(
             handle.remove()
         for module in modules:
             module.masked_key_indices = None
+    for name, press in presses.items():  # presses that select every layer at the end (Layer-DefensiveKV)
+        chosen = getattr(press, "last_selection", None)
+        if getattr(press, "compresses_after_last_layer", False) and chosen:
+            for module, layer in zip(modules, selections[name].layers):
+                keep = chosen[module.layer_idx]
+                layer.keep = keep[0]
+                layer.masked_key_indices = tuple((~keep).nonzero(as_tuple=True))
     return cache, selections
 
 

@@ -6,7 +6,14 @@ from typing import Callable
 from kvpress import AdaKVPress, BasePress, ScorerPress
 
 from kvpress_critical.demo import BASE_PRESSES
-from kvpress_critical.presses import CriticalAdaKVPress, CriticalKVPress
+from kvpress_critical.presses import (
+    CriticalAdaKVPress,
+    CriticalHeadKVPress,
+    CriticalKVPress,
+    DefensiveKVPress,
+    HeadKVPress,
+    LayerDefensiveKVPress,
+)
 
 __all__ = ["MODES", "PressPair", "press_pairs"]
 
@@ -14,6 +21,21 @@ __all__ = ["MODES", "PressPair", "press_pairs"]
 MODES: dict[str, tuple[str, Callable[[ScorerPress], BasePress], str, Callable[[ScorerPress], BasePress]]] = {
     "kv": ("{base}", lambda press: press, "CriticalKV({base})", CriticalKVPress),
     "adakv": ("AdaKV({base})", AdaKVPress, "CriticalAdaKV({base})", CriticalAdaKVPress),
+    # offline budgets from the head scores shipped for the model (or profiled: python -m kvpress_critical.head_scores)
+    "headkv": ("HeadKV({base})", HeadKVPress, "CriticalHeadKV({base})", CriticalHeadKVPress),
+    # the authors' follow-up against the press it improves on (its own window attention: the base press sets the ratio)
+    "defensivekv": (
+        "CriticalAdaKV({base})",
+        CriticalAdaKVPress,
+        "DefensiveKV",
+        lambda press: DefensiveKVPress(compression_ratio=press.compression_ratio),
+    ),
+    "layer_defensivekv": (
+        "DefensiveKV",
+        lambda press: DefensiveKVPress(compression_ratio=press.compression_ratio),
+        "LayerDefensiveKV",
+        lambda press: LayerDefensiveKVPress(compression_ratio=press.compression_ratio),
+    ),
 }
 
 
@@ -52,7 +74,8 @@ def press_pairs(
     ratios : iterable of float
         Compression ratios (fraction evicted).
     modes : iterable of str
-        ``"kv"`` (base vs ``CriticalKVPress``) and/or ``"adakv"`` (``AdaKVPress`` vs ``CriticalAdaKVPress``).
+        ``"kv"`` (base vs ``CriticalKVPress``), ``"adakv"`` (``AdaKVPress`` vs ``CriticalAdaKVPress``) and/or
+        ``"headkv"`` (``HeadKVPress`` vs ``CriticalHeadKVPress``).
     base_name : str, optional
         Display name of the base press (default: its class name without ``Press``).
     """

@@ -1,7 +1,19 @@
 """The presses of kvpress-critical."""
 
+from kvpress_critical.presses.chunked_prefill_press import ChunkedPrefillPress
 from kvpress_critical.presses.compact_cache_press import CompactCachePress
 from kvpress_critical.presses.critical_adakv_press import CriticalAdaKVPress
 from kvpress_critical.presses.critical_kv_press import CriticalKVPress
+from kvpress_critical.presses.defensivekv_press import DefensiveKVPress, LayerDefensiveKVPress
+from kvpress_critical.presses.headkv_press import CriticalHeadKVPress, HeadKVPress
 
-__all__ = ["CompactCachePress", "CriticalAdaKVPress", "CriticalKVPress"]
+__all__ = [
+    "ChunkedPrefillPress",
+    "CompactCachePress",
+    "CriticalAdaKVPress",
+    "CriticalHeadKVPress",
+    "CriticalKVPress",
+    "DefensiveKVPress",
+    "HeadKVPress",
+    "LayerDefensiveKVPress",
+]

@@ -10,6 +10,7 @@ from kvpress_critical.modeling import check_attention_supports_masking, module_p
 from kvpress_critical.presses.base_scores import base_scores
 from kvpress_critical.presses.checks import check_common, check_fraction
 from kvpress_critical.presses.inner_press import InnerPressMixin
+from kvpress_critical.presses.masking import set_masked_key_indices
 from kvpress_critical.selection import compute_n_kept, critical_adakv_keep_mask
 
 logger = logging.getLogger(__name__)
@@ -88,9 +89,5 @@ class CriticalAdaKVPress(InnerPressMixin, AdaKVPress):
             scores, projected_norm, n_kept, self.alpha_safeguard, self.first_stage_ratio, self.epsilon
         )
 
-        # Every row masks exactly n_pruned entries: a stable sort puts them (False) first, no host sync.
-        n_pruned = num_kv_heads * (k_len - n_kept)
-        flat = keep.reshape(bsz, -1).to(torch.int8).argsort(dim=-1, stable=True)[:, :n_pruned].reshape(-1)
-        batch_indices = torch.arange(bsz, device=keys.device).repeat_interleave(n_pruned)
-        module.masked_key_indices = (batch_indices, flat // k_len, flat % k_len)
+        set_masked_key_indices(module, keep, num_kv_heads * (k_len - n_kept))
         return keys, values
