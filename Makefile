@@ -3,7 +3,7 @@
 #   make test      install + build the C++ extension + run the test suite
 #   make analysis  install + perturbation analysis on the embedded SmolLM2 (ANALYSIS_ARGS="--ratios 0.5,0.8 ...")
 #   make eval-smoke  install + run the smoke evaluation sweep (CPU, embedded SmolLM2, kvpress's own runner)
-#   make eval-quality  install + run the quality benchmark (CPU, embedded SmolLM2, likelihood metrics, ~30 min)
+#   make eval-quality  install + run the quality benchmark (CPU, embedded SmolLM2, likelihood metrics, ~1 h)
 #   make eval-dry-run  the job list of the default evaluation preset (EVAL_ARGS="--preset paper" etc.)
 #   make build     build the C++ extension (CPU; CUDA too when torch has CUDA; KVPRESS_CRITICAL_BUILD_CUDA=1 insists)
 #   make check-cuda  compile-check the CUDA kernel (sm_80, sm_90) and its torch binding with nvcc, no GPU needed
@@ -15,7 +15,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,eval,triton,analysis
+EXTRAS ?= dev,eval,triton,analysis,cluster
 EVAL_WORKERS ?= 2
 EVAL_THREADS ?= 1
 STAMP := $(VENV)/.installed

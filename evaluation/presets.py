@@ -4,7 +4,11 @@ Presets: small YAML files describing a sweep, expanded into one job per configur
 A preset lists ``models``, ``datasets`` (kvpress dataset name + ``data_dir``; a ``generate`` block makes a
 local RULER-style dataset instead of a Hugging Face one), ``presses`` and ``compression_ratios``, plus
 options passed to kvpress's ``EvaluationConfig`` (``device``, ``model_kwargs``, ``fraction``,
-``max_new_tokens``, ``max_context_length``, ``query_aware``). ``no_press`` runs once per model and dataset
+``max_new_tokens``, ``max_context_length``, ``query_aware``), and ``head_scores`` (model -> HeadKV head-score file, for
+the HeadKV presses on models without shipped scores) and ``chunk_size`` (prefill every press but ``no_press`` in
+chunks, :class:`kvpress_critical.presses.chunked_prefill_press.ChunkedPrefillPress`: the chunk size becomes part of
+the press name, so of the results folder, and the press's repr in ``config.yaml`` shows it). ``no_press`` runs once
+per model and dataset
 (kvpress forces its ratio to 0). A model is a name (or path), ``embedded`` for this package's SmolLM2, or a
 mapping ``{name: ..., gpus: 2}`` for models that need several GPUs.
 """
@@ -58,6 +62,9 @@ class Preset:
     config: dict[str, Any] = field(default_factory=dict)
     output_dir: str = "results"
     description: str = ""
+    head_scores: dict[str, str] = field(default_factory=dict)  # model -> HeadKV head-score file
+    chunk_size: int | None = None  # prefill in chunks (ChunkedPrefillPress): every press but no_press
+    slurm: dict[str, Any] = field(default_factory=dict)  # --launcher slurm defaults: partition, time, account...
 
 
 @dataclass(frozen=True)
@@ -92,7 +99,9 @@ def load_preset(preset: str) -> Preset:
     """Parse a preset by name or path."""
     path = preset_path(preset)
     raw = yaml.safe_load(path.read_text()) or {}
-    unknown = set(raw) - {"models", "datasets", "presses", "compression_ratios", "output_dir", "description"}
+    known = {"models", "datasets", "presses", "compression_ratios", "output_dir", "description", "head_scores"}
+    known |= {"chunk_size", "slurm"}
+    unknown = set(raw) - known
     unknown -= set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
@@ -113,6 +122,9 @@ def load_preset(preset: str) -> Preset:
         config={k: raw[k] for k in CONFIG_KEYS if k in raw},
         output_dir=str(raw.get("output_dir", f"results/{path.stem}")),
         description=str(raw.get("description", "")).strip(),
+        head_scores={str(k): str(v) for k, v in (raw.get("head_scores") or {}).items()},
+        chunk_size=None if raw.get("chunk_size") is None else int(raw["chunk_size"]),
+        slurm=dict(raw.get("slurm") or {}),
     )
 
 

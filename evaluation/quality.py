@@ -10,7 +10,8 @@ joined on ``context_id`` and ``task``):
 - ``kl``: mean per-token ``KL(p_full || p_compressed)`` over the target tokens.
 
 ``quality.csv``: means per model, benchmark, press and ratio, with sample and context counts.
-``quality_comparisons.csv``: each press next to its base (``evaluation.registry.CRITICAL_BASES``) on the same
+``quality_comparisons.csv``: each press next to its base (``evaluation.registry.CRITICAL_BASES``; DefensiveKV next to
+CriticalAdaKV and Layer-DefensiveKV next to DefensiveKV, ``FOLLOW_UPS``) on the same
 samples: the relative reduction of the NLL loss and of the KL (``1 - critical / base``) and the change of string
 match, each with a 95% paired cluster-bootstrap interval (contexts resampled; ``evaluation.bootstrap``).
 """
@@ -27,7 +28,7 @@ import pandas as pd
 
 from evaluation.bootstrap import mean_difference, paired_bootstrap, relative_reduction
 from evaluation.paired import sample_matches
-from evaluation.registry import BASELINE, CRITICAL_BASES
+from evaluation.registry import BASELINE, CRITICAL_BASES, FOLLOW_UPS
 from evaluation.worker import LIKELIHOOD_FILE
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def quality_comparisons(samples: pd.DataFrame, n_resamples: int = 2000, pairs: d
     """Each press next to its base at every model, benchmark and ratio, with paired cluster-bootstrap intervals."""
     if samples.empty:
         return pd.DataFrame()
-    pairs = CRITICAL_BASES if pairs is None else pairs
+    pairs = {**CRITICAL_BASES, **FOLLOW_UPS} if pairs is None else pairs
     rows = []
     cells = samples[["model", "benchmark", "compression_ratio"]].drop_duplicates().itertuples(index=False)
     for model, benchmark, ratio in cells:

@@ -74,6 +74,12 @@ def apply_overrides(preset: Preset, args: argparse.Namespace) -> Preset:
             raise SystemExit(f"--datasets {args.datasets} matches no dataset of the preset")
     if args.n_samples is not None:  # samples per task (RULER-style data) or contexts (quality data)
         preset.datasets = [replace(d, generate=_with_sample_count(d.generate, args.n_samples)) for d in preset.datasets]
+    if args.chunk_size is not None:
+        preset.chunk_size = args.chunk_size
+    if preset.chunk_size:
+        from evaluation.registry import BASELINE, chunked_name
+
+        preset.presses = [p if p == BASELINE else chunked_name(p, preset.chunk_size) for p in preset.presses]
     for key in ("fraction", "max_new_tokens", "device"):
         value = getattr(args, key)
         if value is not None:
@@ -156,7 +162,9 @@ def name_jobs(jobs: list[Job], kv) -> list[Job]:
 
 
 def check_presses(preset: Preset, registry) -> None:
-    unknown = [p for p in preset.presses if p not in registry.PRESS_REGISTRY]
+    from evaluation.registry import ensure_press
+
+    unknown = [p for p in preset.presses if not ensure_press(registry, p)]
     if unknown:
         raise SystemExit(f"unknown press(es) {unknown}; see evaluation/registry.py and kvpress's evaluate_registry.py")
 
@@ -176,11 +184,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fraction", type=float, help="fraction of each dataset (kvpress's option)")
     parser.add_argument("--max-new-tokens", type=int, help="kvpress's max_new_tokens (default: per task)")
     parser.add_argument("--device", help="'cpu' runs on CPU (--workers jobs); otherwise each job gets its GPU(s)")
+    parser.add_argument("--chunk-size", type=int, help="prefill in chunks of this many tokens (ChunkedPrefillPress)")
     parser.add_argument("--gpus", help="comma-separated GPU ids to use (default: all visible)")
     parser.add_argument("--workers", type=int, default=1, help="parallel jobs without GPUs (default 1)")
     parser.add_argument("--threads", type=int, help="torch threads per CPU job (default: CPUs // workers)")
     parser.add_argument("--kvpress-eval-dir", help="kvpress's evaluation/ folder (default: $KVPRESS_EVAL_DIR or sdist)")
     parser.add_argument("--no-aggregate", action="store_true", help="skip the aggregation at the end")
+    cluster = parser.add_argument_group("launchers (--launcher ray|slurm; local: this machine's GPUs or CPU workers)")
+    cluster.add_argument("--launcher", choices=("local", "ray", "slurm"), default="local")
+    cluster.add_argument("--ray-address", help="Ray cluster address (default $RAY_ADDRESS, else a local cluster)")
+    cluster.add_argument("--gpus-per-job", type=float, help="GPUs per configuration (times the model's gpus)")
+    cluster.add_argument("--partition", help="SLURM partition")
+    cluster.add_argument("--time", help="SLURM time limit per configuration, e.g. 04:00:00")
+    cluster.add_argument("--account", help="SLURM account")
+    cluster.add_argument("--mem", help="SLURM memory per task, e.g. 64G")
+    cluster.add_argument("--max-parallel", type=int, help="SLURM: at most this many array tasks at once")
+    cluster.add_argument("--no-submit", action="store_true", help="SLURM: write the array, print the sbatch command")
+    cluster.add_argument("--status", action="store_true", help="SLURM: finished / failed / missing configurations")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -218,36 +238,78 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  [{status}] {job.describe():<70} {job.name}")
         return 0
 
-    if preset.config.get("device") == "cpu":  # the preset (or --device cpu) asks for CPU even where GPUs exist
-        gpus = []
-    else:
-        gpus = _split(args.gpus) if args.gpus else gpu_ids()
+    cpu_only = preset.config.get("device") == "cpu"  # the preset (or --device cpu) asks for CPU even with GPUs
     # config.yaml records the output folder as the user gave it (not this machine's absolute path)
     label = args.output_dir or preset.output_dir
     extra = {"datasets": datasets, "kvpress_eval_dir": str(kv.folder), "output_dir_label": label}
+    if preset.head_scores:  # absolute paths: workers run elsewhere (the embedded model's folder, a cluster node)
+        extra["head_scores"] = {m: str(Path(p).expanduser().resolve()) for m, p in preset.head_scores.items()}
     if any(m.embedded for m in preset.models):
         from kvpress_critical.default_model import default_model_path
 
         extra["model_cwd"] = str(default_model_path().parent)
-    logger.info("%d configurations, %s", len(jobs), f"GPUs {gpus}" if gpus else f"{args.workers} CPU worker(s)")
-    report = run_sweep(
-        jobs, output_dir, worker_extra=extra, gpus=gpus, cpu_workers=args.workers, threads_per_job=args.threads
-    )
+    expected = [(job.name, job.config) for job in jobs]
+
+    if args.launcher == "slurm":
+        return _slurm(args, preset, jobs, output_dir, extra, expected, cpu_only)
+    if args.launcher == "ray":
+        from evaluation.ray_sweep import run_ray_sweep
+
+        gpus_per_job = 0 if cpu_only else (args.gpus_per_job if args.gpus_per_job is not None else 1)
+        logger.info("%d configurations on Ray (%s GPU(s) per job)", len(jobs), gpus_per_job)
+        report = run_ray_sweep(jobs, output_dir, worker_extra=extra, address=args.ray_address,
+                               gpus_per_job=gpus_per_job, threads_per_job=args.threads or 1)  # fmt: skip
+    else:
+        gpus = [] if cpu_only else (_split(args.gpus) if args.gpus else gpu_ids())
+        logger.info("%d configurations, %s", len(jobs), f"GPUs {gpus}" if gpus else f"{args.workers} CPU worker(s)")
+        report = run_sweep(
+            jobs, output_dir, worker_extra=extra, gpus=gpus, cpu_workers=args.workers, threads_per_job=args.threads
+        )
     logger.info(
         "sweep: %d run, %d skipped (already finished), %d failed",
         len(report.done),
         len(report.skipped),
         len(report.failed),
     )
-    if not args.no_aggregate:
-        from evaluation.aggregate import aggregate
-
-        expected = [(job.name, job.config) for job in jobs]
-        summary = aggregate(output_dir, expected=expected)
-        logger.info("tables and plots in %s", summary)
+    _aggregate(args, output_dir, expected)
     for name in report.failed:
         logger.error("failed: %s (see %s)", name, output_dir / "failed" / f"{name}.txt")
     return 0 if report.ok else 1
+
+
+def _aggregate(args, output_dir: Path, expected) -> None:
+    if not args.no_aggregate:
+        from evaluation.aggregate import aggregate
+
+        summary = aggregate(output_dir, expected=expected)
+        logger.info("tables and plots in %s", summary)
+
+
+def _slurm(args, preset: Preset, jobs, output_dir: Path, extra: dict, expected, cpu_only: bool) -> int:
+    """``--launcher slurm``: write (and submit) the job array, or with ``--status`` report on the sweep."""
+    from evaluation import slurm
+
+    if args.status:
+        result = slurm.status(output_dir, jobs)
+        slurm.print_status(result, output_dir)
+        if result["finished"]:
+            _aggregate(args, output_dir, expected)
+        return 0 if not result["failed"] else 1
+    options = dict(preset.slurm)
+    cli = dict(partition=args.partition, time=args.time, account=args.account, max_parallel=args.max_parallel,
+               cpus_per_job=args.threads, mem=args.mem, gpus_per_job=args.gpus_per_job)  # fmt: skip
+    options.update({k: v for k, v in cli.items() if v is not None})
+    if cpu_only:
+        options["gpus_per_job"] = 0
+    script, manifest, pending = slurm.write_array(jobs, output_dir, extra, options)
+    if script is None:
+        print(f"every configuration of {output_dir} is finished: nothing to submit")
+        return 0
+    print(f"{len(pending)} configurations (of {len(jobs)}) in the job array {script}\nmanifest {manifest}")
+    slurm.submit(script, dry_run=args.no_submit)
+    print(f"follow it with: bash evaluation/evaluate.sh --launcher slurm --status --preset {args.preset}"
+          + (f" --output-dir {args.output_dir}" if args.output_dir else ""))  # fmt: skip
+    return 0
 
 
 def _planned_datasets(preset: Preset, output_dir: Path) -> dict[str, str]:

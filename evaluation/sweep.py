@@ -143,12 +143,7 @@ def run_sweep(
         torch threads per CPU job (default: CPU count // cpu_workers).
     """
     output_dir = Path(output_dir).resolve()
-    output_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(output_dir / ".sweep.lock"))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise RuntimeError(f"another sweep is running on {output_dir}; wait for it or use another output folder")
+    lock = sweep_lock(output_dir)
     try:
         return _run_sweep(jobs, output_dir, worker_extra, gpus, cpu_workers, threads_per_job, poll_s)
     finally:
@@ -215,53 +210,95 @@ def _run_sweep(jobs, output_dir: Path, worker_extra, gpus, cpu_workers, threads_
     return report
 
 
-def _launch(job: Job, devices: list[str], on_gpu: bool, output_dir: Path, extra: dict, threads: int | None):
+def prepare_job(job: Job, output_dir: Path, extra: dict, gpus: int = 0, threads: int | None = None) -> tuple:
+    """
+    Everything one configuration's worker needs, as every launcher runs it: ``(job file, staging folder, log)``.
+
+    Sets an incomplete results folder aside, writes the worker's JSON payload (``gpus`` > 0: the job's devices are
+    those it is given, ``cuda:0``, or ``auto`` for several; otherwise ``threads`` torch threads) under ``.jobs``,
+    and reserves a private staging folder and the log path.
+    """
+    for sub in ("logs", ".staging", ".jobs", "failed"):
+        (output_dir / sub).mkdir(parents=True, exist_ok=True)
     _set_aside_incomplete(output_dir, job.name)
     staging = output_dir / ".staging" / f"{job.name}.{uuid.uuid4().hex[:8]}"
     payload = job_payload(job, output_dir, staging, extra)
-    if on_gpu:
-        config = dict(payload["config"])
-        config["device"] = "auto" if len(devices) > 1 else "cuda:0"
-        payload["config"] = config
+    if gpus:
+        payload["config"] = {**payload["config"], "device": "auto" if gpus > 1 else "cuda:0"}
     elif threads:
         payload["threads"] = threads
     fd, job_file = tempfile.mkstemp(prefix=f"{job.name}.", suffix=".json", dir=output_dir / ".jobs")
     with os.fdopen(fd, "w") as f:
         json.dump(payload, f, indent=2)
-    env = dict(os.environ)
+    return Path(job_file), staging, output_dir / "logs" / f"{job.name}.log"
+
+
+def worker_env(gpu_devices: list[str] | None = None, threads: int | None = None, base: dict | None = None) -> dict:
+    """The environment of a worker process: the repository importable, its GPUs or its CPU threads."""
+    env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    if on_gpu:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    if gpu_devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_devices)
     elif threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    log = output_dir / "logs" / f"{job.name}.log"
+    return env
+
+
+def worker_command(job_file: Path, python: str | None = None) -> list[str]:
+    return [python or sys.executable, "-m", "evaluation.worker", str(job_file)]
+
+
+def _launch(job: Job, devices: list[str], on_gpu: bool, output_dir: Path, extra: dict, threads: int | None):
+    job_file, staging, log = prepare_job(job, output_dir, extra, gpus=len(devices) if on_gpu else 0, threads=threads)
+    env = worker_env(devices if on_gpu else None, None if on_gpu else threads)
     with open(log, "w") as log_file:
         log_file.write(f"# {job.describe()}\n# devices: {','.join(devices)}\n")
         log_file.flush()
-        process = subprocess.Popen(
-            [sys.executable, "-m", "evaluation.worker", job_file],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=REPO_ROOT,
-        )
+        process = subprocess.Popen(worker_command(job_file), stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                   cwd=REPO_ROOT)  # fmt: skip
     logger.info("started %s on %s", job.name, ",".join(devices))
-    return _Running(job, process, devices, log, staging, Path(job_file), time.time())
+    return _Running(job, process, devices, log, staging, job_file, time.time())
 
 
-def _finish(run: _Running, code: int, output_dir: Path, report: SweepReport) -> None:
-    name, seconds = run.job.name, time.time() - run.t0
+def record_result(report: SweepReport, job: Job, code: int, log: Path, output_dir: Path, seconds: float) -> None:
+    """Count a finished worker as done (complete results folder) or failed (traceback kept in ``failed/``)."""
+    name = job.name
     failed_file = output_dir / "failed" / f"{name}.txt"
     if code == 0 and is_finished(output_dir / name):
         report.done.append(name)
         failed_file.unlink(missing_ok=True)
         logger.info("finished %s in %.0f s", name, seconds)
         return
-    tail = _tail(run.log)
+    tail = _tail(log)
     report.failed[name] = tail
     failed_file.parent.mkdir(exist_ok=True)
-    failed_file.write_text(f"{run.job.describe()}\nexit status {code}; full log: {run.log}\n\n{tail}\n")
-    logger.error("FAILED %s (exit %s after %.0f s), the sweep goes on; log %s\n%s", name, code, seconds, run.log, tail)
+    failed_file.write_text(f"{job.describe()}\nexit status {code}; full log: {log}\n\n{tail}\n")
+    logger.error("FAILED %s (exit %s after %.0f s), the sweep goes on; log %s\n%s", name, code, seconds, log, tail)
 
 
-__all__ = ["RESULT_FILES", "SweepReport", "gpu_ids", "run_sweep"]
+def _finish(run: _Running, code: int, output_dir: Path, report: SweepReport) -> None:
+    record_result(report, run.job, code, run.log, output_dir, time.time() - run.t0)
+
+
+def sweep_lock(output_dir: Path) -> FileLock:
+    """The lock that makes one sweep per results folder (whatever the launcher)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(output_dir / ".sweep.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise RuntimeError(f"another sweep is running on {output_dir}; wait for it or use another output folder")
+    return lock
+
+
+__all__ = [
+    "RESULT_FILES",
+    "SweepReport",
+    "gpu_ids",
+    "prepare_job",
+    "record_result",
+    "run_sweep",
+    "sweep_lock",
+    "worker_command",
+    "worker_env",
+]

@@ -160,7 +160,15 @@ def run_job(job: dict) -> Path:
         torch.set_num_threads(int(job["threads"]))
     kv = import_kvpress_evaluation(job.get("kvpress_eval_dir"))
     register(kv.registry, job.get("datasets"))
+    from evaluation.registry import ensure_press
+
+    ensure_press(kv.registry, config["press_name"])  # a chunked variant is registered on demand
     _quiet_progress_bars()
+    scores = (job.get("head_scores") or {}).get(job["config"]["model"])
+    if scores is not None:  # HeadKV presses on a model without shipped head scores
+        from evaluation.registry import set_head_scores
+
+        set_head_scores(kv.registry.PRESS_REGISTRY[job["config"]["press_name"]], scores)
 
     output_dir = Path(job["output_dir"]).resolve()
     staging = Path(job["staging_dir"]).resolve()
