@@ -38,8 +38,7 @@ from common import (  # noqa: E402
     output_stem,
     parse_arguments,
     return_freed_memory_to_the_os,
-    write_csv,
-    write_text,
+    write_results,
 )
 
 from kvpress_critical import ChunkedPrefillPress, CompactCachePress, CriticalAdaKVPress, CriticalKVPress  # noqa: E402
@@ -170,8 +169,7 @@ def main(argv=None) -> int:
                 row["peak_mib"] / full["peak_mib"], 3)  # fmt: skip
             row["same_as_one_shot"] = row["answer"] == one_shot["answer"]
         rows += group
-        write_csv(stem.with_suffix(".csv"), rows)
-        write_text(stem.with_suffix(".md"), header + render(rows))
+        write_results(stem, rows, header + render(rows))
     print(header + render(rows), flush=True)
     return 0
 

@@ -42,8 +42,7 @@ from common import (  # noqa: E402
     peak_extra_bytes,
     return_freed_memory_to_the_os,
     synchronize,
-    write_csv,
-    write_text,
+    write_results,
 )
 
 import kvpress_critical.presses.compact_cache_press as compact_module  # noqa: E402
@@ -264,8 +263,7 @@ def main(argv=None) -> int:
             row["x_pruning"] = round(row["ms_per_token"] / pruning["ms_per_token"], 3)
             row["x_masking_prefill"] = round(row["prefill_s"] / masking["prefill_s"], 3)
         rows += group
-        write_csv(stem.with_suffix(".csv"), rows)
-        write_text(stem.with_suffix(".md"), header + render(rows))
+        write_results(stem, rows, header + render(rows))
     print(header + render(rows), flush=True)
     return 0
 

@@ -39,6 +39,7 @@ from common import (  # noqa: E402
     synchronize,
     time_interleaved,
     write_csv,
+    write_text,
 )
 
 logger = logging.getLogger("bench_prefill")
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
         + markdown_table(header, table)
         + "\n"
     )
-    stem.with_suffix(".md").write_text(text)
+    write_text(stem.with_suffix(".md"), text)
     print(text)
     return 0
 

@@ -37,8 +37,7 @@ from common import (  # noqa: E402
     single_thread,
     summary,
     time_interleaved,
-    write_csv,
-    write_text,
+    write_results,
 )
 
 from kvpress_critical.ops import available_backends, projected_value_norm  # noqa: E402
@@ -236,8 +235,7 @@ def main(argv=None) -> int:
             for k_len in tokens:
                 all_rows += run_case(model, k_len, getattr(torch, dtype_name), args, device)
                 # tables rewritten after every case: a run cut short keeps every case it finished
-                write_csv(stem.with_suffix(".csv"), all_rows)
-                write_text(stem.with_suffix(".md"), header + render(all_rows, device))
+                write_results(stem, all_rows, header + render(all_rows, device))
     print(header + render(all_rows, device), flush=True)
     return 0
 

@@ -29,8 +29,7 @@ from common import (  # noqa: E402
     parse_arguments,
     summary,
     time_interleaved,
-    write_csv,
-    write_text,
+    write_results,
 )
 
 from kvpress_critical.ops import RAGGED_ATTENTION, ragged_attention  # noqa: E402
@@ -136,8 +135,7 @@ def main(argv=None) -> int:
     for dtype_name in dtypes.split(","):
         for average in averages:
             rows += run_case(average, getattr(torch, dtype_name), args, device)
-            write_csv(stem.with_suffix(".csv"), rows)
-            write_text(stem.with_suffix(".md"), header + render(rows))
+            write_results(stem, rows, header + render(rows))
     print(header + render(rows), flush=True)
     return 0
 

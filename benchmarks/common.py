@@ -229,6 +229,13 @@ def write_csv(path: Path, rows: list[dict]) -> None:
     write_text(path, buffer.getvalue())
 
 
+def write_results(stem: Path, rows: list[dict], markdown: str) -> None:
+    """``<stem>.csv`` (the rows) and ``<stem>.md`` (``markdown``), atomically: called after every case, so an
+    interrupted run keeps what it measured."""
+    write_csv(stem.with_suffix(".csv"), rows)
+    write_text(stem.with_suffix(".md"), markdown)
+
+
 def fmt(x: float, digits: int = 2) -> str:
     """Compact number for tables."""
     if x != x:  # NaN

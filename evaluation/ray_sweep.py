@@ -29,8 +29,16 @@ from pathlib import Path
 from tqdm import tqdm
 
 from evaluation.presets import Job
-from evaluation.sweep import REPO_ROOT, SweepReport, prepare_job, record_result, sweep_lock, worker_command, worker_env
-from evaluation.worker import is_finished
+from evaluation.sweep import (
+    REPO_ROOT,
+    SweepReport,
+    pending_jobs,
+    prepare_job,
+    record_result,
+    sweep_lock,
+    worker_command,
+    worker_env,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -99,14 +107,7 @@ def run_ray_sweep(
 
 def _run(ray, jobs, output_dir: Path, extra: dict, gpus_per_job, threads_per_job, max_retries) -> SweepReport:
     report = SweepReport()
-    pending = []
-    for job in jobs:
-        if is_finished(output_dir / job.name):
-            report.skipped.append(job.name)
-        else:
-            pending.append(job)
-    if report.skipped:
-        logger.info("%d finished configuration(s) skipped (resume)", len(report.skipped))
+    pending = pending_jobs(jobs, output_dir, report)
     task = ray.remote(max_retries=max_retries, retry_exceptions=False)(_run_configuration)
     refs = {}
     for job in pending:

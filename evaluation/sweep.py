@@ -150,10 +150,8 @@ def run_sweep(
         lock.release()
 
 
-def _run_sweep(jobs, output_dir: Path, worker_extra, gpus, cpu_workers, threads_per_job, poll_s) -> SweepReport:
-    for sub in ("logs", ".staging", ".jobs"):
-        (output_dir / sub).mkdir(exist_ok=True)
-    report = SweepReport()
+def pending_jobs(jobs: list[Job], output_dir: Path, report: SweepReport) -> list[Job]:
+    """The jobs not finished yet; the finished ones are recorded as skipped in ``report`` (resume)."""
     pending = []
     for job in jobs:
         if is_finished(output_dir / job.name):
@@ -162,6 +160,14 @@ def _run_sweep(jobs, output_dir: Path, worker_extra, gpus, cpu_workers, threads_
             pending.append(job)
     if report.skipped:
         logger.info("%d finished configuration(s) skipped (resume)", len(report.skipped))
+    return pending
+
+
+def _run_sweep(jobs, output_dir: Path, worker_extra, gpus, cpu_workers, threads_per_job, poll_s) -> SweepReport:
+    for sub in ("logs", ".staging", ".jobs"):
+        (output_dir / sub).mkdir(exist_ok=True)
+    report = SweepReport()
+    pending = pending_jobs(jobs, output_dir, report)
     gpus = list(gpus or [])
     if gpus:
         too_big = [job for job in pending if job.model.gpus > len(gpus)]

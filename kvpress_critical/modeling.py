@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from kvpress_critical.norm_reuse import projected_norm_reusing
 from kvpress_critical.ops import projected_value_norm
 
 logger = logging.getLogger(__name__)
@@ -159,4 +160,8 @@ def module_projected_norm(module: nn.Module, values: torch.Tensor, norm: str, ba
         )
     if weight.device != values.device:
         weight = weight.to(values.device)
-    return projected_value_norm(values, weight, weight.shape[1] // head_dim, norm=norm, backend=backend)
+    heads = weight.shape[1] // head_dim
+    # during a chunked prefill the norms of entries scored after an earlier chunk are reused (exact: per entry)
+    return projected_norm_reusing(
+        values, norm, lambda v: projected_value_norm(v, weight, heads, norm=norm, backend=backend)
+    )

@@ -239,7 +239,7 @@ def headkv_budgets(
     k_len : int
         Context length (no head keeps more).
     beta, temperature : float
-        HeadKV's parameters (defaults 1.5 and 1.0, as in its code).
+        HeadKV's parameters (our defaults 1.5 and 1.0: HeadKV's code sets none, its README sweeps ``beta``).
     window : int
         Entries every head keeps regardless (SnapKV's observation window), excluded from the pool as in HeadKV.
     num_kv_heads : int, optional
@@ -333,6 +333,7 @@ def defensive_scores(
     n_kept: int,
     kernel_size: int = 5,
     mass: float = 0.9,
+    excluded: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """
     DefensiveKV's scores of one layer (Feng et al., ICLR 2026; the same authors' follow-up to CriticalKV).
@@ -356,6 +357,9 @@ def defensive_scores(
     compares it with a cumulative sum renormalised over those entries: inconsistent units; here ``beta`` is per head
     and batch row, on the window itself).
 
+    ``excluded`` (``(B, H_kv, T)`` bool, optional): entries evicted after an earlier chunk of a chunked prefill;
+    they get no pooled mass and do not count in the mean of step 2.
+
     Returns
     -------
     scores : torch.Tensor
@@ -371,9 +375,16 @@ def defensive_scores(
     pooled = torch.nn.functional.avg_pool1d(
         prefix.reshape(-1, window, prefix_len), kernel_size, padding=kernel_size // 2, stride=1
     ).view_as(prefix)
+    live = None if excluded is None else ~excluded[..., :prefix_len]  # (B, H_kv, P)
+    if live is not None:  # pooling must not spread mass onto excluded entries (evicted after an earlier chunk)
+        pooled = pooled * live[:, :, None, None]
     pooled = pooled * (row_mass / pooled.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))
     m = pooled.amax(dim=(2, 3))  # (B, H_kv, P): the worst case over the group's heads and the window
-    s = torch.maximum(m, m.mean(-1, keepdim=True))
+    if live is None:
+        floor = m.mean(-1, keepdim=True)
+    else:  # the mean over the live entries only
+        floor = m.sum(-1, keepdim=True) / live.sum(-1, keepdim=True).clamp_min(1)
+    s = torch.maximum(m, floor)
     norm = projected_norm[..., :prefix_len].float()
     n_hat = norm / norm.sum(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     scores = torch.empty(bsz, num_kv_heads, k_len, dtype=torch.float32, device=attn.device)

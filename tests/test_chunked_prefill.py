@@ -172,7 +172,17 @@ def test_errors():
         CompactCachePress(ChunkedPrefillPress(DefensiveKVPress(0.5, window_size=WINDOW), chunk_size=40))
     with pytest.raises(ValueError, match="DefensiveKVPress's window"):
         ChunkedPrefillPress(DefensiveKVPress(0.5, window_size=64), chunk_size=64)
-    from kvpress import ExpectedAttentionPress, FinchPress, KeyRerotationPress, PerLayerCompressionPress, PyramidKVPress
+    import kvpress
+    from kvpress import (
+        ComposedPress,
+        DMSPress,
+        ExpectedAttentionPress,
+        FinchPress,
+        KeyRerotationPress,
+        PerLayerCompressionPress,
+        PyramidKVPress,
+        ThinKPress,
+    )
 
     for inner, match in [
         (ExpectedAttentionPress(0.5), "expected future queries"),
@@ -181,6 +191,10 @@ def test_errors():
         (PerLayerCompressionPress(KnormPress(0.5), [0.5, 0.5]), "each layer's compression ratio"),
         (KeyRerotationPress(KnormPress(0.5)), "re-rotates"),
         (FinchPress(0.5), "delimiter"),
+        (ComposedPress([KnormPress(0.2), KnormPress(0.3)]), "each of its presses"),
+        (DMSPress(KnormPress(0.5)), "threshold"),
+        (ThinKPress(0.5), "channels"),
+        (kvpress.CriticalAdaKVPress(SnapKVPress(0.5, window_size=8)), "built-in CriticalKV"),
     ]:
         with pytest.raises(TypeError, match=match):
             ChunkedPrefillPress(inner, chunk_size=512)
@@ -250,3 +264,70 @@ def test_masked_attention_is_the_masked_softmax():
     allowed = causal & ~masked.repeat_interleave(group, 1).unsqueeze(2)
     expected = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v).transpose(1, 2)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["CriticalKV", "CriticalAdaKV", "CriticalHeadKV", "DefensiveKV"])
+@pytest.mark.parametrize("compact", [False, True], ids=["dense", "compact"])
+def test_projected_norms_are_computed_once_per_entry(monkeypatch, name, compact):
+    """Reusing the norms of entries scored after an earlier chunk selects exactly what recomputing them selects."""
+    if compact and name == "DefensiveKV":
+        pytest.skip("refused inside CompactCachePress (a clear error, test_errors)")
+    from kvpress_critical import norm_reuse
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 256, (2, K_LEN), generator=torch.Generator().manual_seed(5))
+
+    def run(reuse: bool):
+        press = ChunkedPrefillPress(make_presses(model, 0.6)[name], chunk_size=20)
+        if not reuse:
+            monkeypatch.setattr(chunked_prefill_press, "reusing_norms", lambda known: norm_reuse.reusing_norms({}))
+        outer = CompactCachePress(press) if compact else press
+        cache = DynamicCache()
+        with outer(model):
+            model.model(input_ids=ids, past_key_values=cache)
+        monkeypatch.undo()
+        held = []
+        for layer, module in zip(cache.layers, attention_modules(model)):
+            if isinstance(layer, CompactLayer):
+                held.append((layer.segment_lengths(), layer.positions))
+            elif module.masked_key_indices is not None:
+                held.append(keep_mask_from_indices(module.masked_key_indices, layer.keys.shape[:3], "cpu"))
+            else:
+                held.append(layer.keys)
+            module.masked_key_indices = None
+        return held, press.reused_norm_entries
+
+    reused, n_reused = run(True)
+    recomputed, n_none = run(False)
+    assert n_none == 0 and n_reused > 0
+    for a, b in zip(reused, recomputed):
+        for x, y in zip(a, b) if isinstance(a, tuple) else [(a, b)]:
+            assert torch.equal(x, y)
+
+
+def test_pruned_caches_stay_in_position_order_and_sliding_layers_are_refused():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (2, K_LEN), generator=torch.Generator().manual_seed(4))
+    full = DynamicCache()
+    model.model(input_ids=ids, past_key_values=full)
+    cache = DynamicCache()
+    with ChunkedPrefillPress(CriticalKVPress(SnapKVPress(0.6, window_size=WINDOW)), chunk_size=30)(model):
+        model.model(input_ids=ids, past_key_values=cache)
+    kept, original = cache.layers[0], full.layers[0]  # (layer 0's keys do not depend on what earlier chunks kept)
+    for b in range(2):
+        for h in range(2):  # every kept key is an original key, and they come in increasing positions
+            same = (kept.keys[b, h, :, None] == original.keys[b, h, None]).all(-1)
+            assert bool(same.any(-1).all())
+            match = same.float().argmax(-1)
+            assert bool((match[1:] > match[:-1]).all())
+    import transformers as tf
+
+    config = tf.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                              sliding_window=64, attn_implementation="sdpa")  # fmt: skip
+    windowed = tf.MistralForCausalLM(config).eval()
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        kept_masks(windowed, ids, ChunkedPrefillPress(CriticalAdaKVPress(SnapKVPress(0.5, window_size=8)), 40))
+    with ChunkedPrefillPress(CriticalKVPress(SnapKVPress(0.5, window_size=8)), 40)(windowed):  # pruning works
+        out = windowed.model(input_ids=ids, past_key_values=DynamicCache())
+    assert out.past_key_values.get_seq_length() == compute_n_kept(K_LEN, 0.5)

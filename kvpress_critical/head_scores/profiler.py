@@ -33,6 +33,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvpress_critical.data import _words as words
 from kvpress_critical.data.prose import prose_sentences
+from kvpress_critical.modeling import decoder
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +157,8 @@ def score_trial(model, trial: Trial, method: str = "reasoning", max_new_tokens: 
     span = end - start
     n_answer = max(1, len(tokenizer(" " + trial.answer, add_special_tokens=False)["input_ids"])) if tokenizer else 3
     budget = max_new_tokens or n_answer + 12  # room for the answer sentence ("The special magic word for ... is")
-    layers = len(model.model.layers)
-    heads = model.config.num_attention_heads
+    layers = len(decoder(model).layers)
+    heads = getattr(model.config, "text_config", model.config).num_attention_heads
     scores = torch.zeros(layers, heads, dtype=torch.float64)
     cache = DynamicCache()
     model.model(input_ids=ids[:, :-1], past_key_values=cache)  # HeadKV: prefill all but the last prompt token
@@ -206,7 +207,8 @@ def profile_head_scores(
 
     Returns the scores and a summary (trials run, counted, accuracy per context length).
     """
-    layers, heads = len(model.model.layers), model.config.num_attention_heads
+    layers = len(decoder(model).layers)
+    heads = getattr(model.config, "text_config", model.config).num_attention_heads
     collected = {f"{layer}-{head}": [] for layer in range(layers) for head in range(heads)}
     counted, by_length = 0, {}
     for trial in tqdm(trials, desc=f"head scores ({method})", disable=not progress):

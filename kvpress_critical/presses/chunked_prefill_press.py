@@ -1,12 +1,15 @@
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
+import kvpress
 import torch
 from kvpress import (
     BasePress,
+    ComposedPress,
     DecodingPress,
+    DMSPress,
     ExpectedAttentionPress,
     FinchPress,
     KeyRerotationPress,
@@ -15,14 +18,17 @@ from kvpress import (
     PyramidKVPress,
     ScorerPress,
     SnapKVPress,
+    ThinKPress,
 )
 from transformers import DynamicCache
 
-from kvpress_critical.cache import CompactLayer, keep_mask_from_indices
+from kvpress_critical.cache import CompactLayer, is_sliding_layer, keep_mask_from_indices
 from kvpress_critical.cache.attention import exact_masked_attention
-from kvpress_critical.modeling import decoder, hooked_attention_modules
-from kvpress_critical.presses.checks import check_ratio, nested_presses
+from kvpress_critical.modeling import attention_modules, decoder, hooked_attention_modules
+from kvpress_critical.norm_reuse import reusing_norms
+from kvpress_critical.presses.checks import nested_presses
 from kvpress_critical.presses.exclusion import excluding, mask_excluded
+from kvpress_critical.presses.inner_press import InnerPressMixin
 from kvpress_critical.presses.window_attention import window_attention
 from kvpress_critical.selection import compute_n_kept, top_budget_mask
 
@@ -36,13 +42,23 @@ _WHOLE_CONTEXT = {
     PerLayerCompressionPress: "it sets each layer's compression ratio itself, replacing the chunk's effective ratio",
     KeyRerotationPress: "it re-rotates the kept keys, while chunks are prefilled at their original positions",
     FinchPress: "it locates the question in the context by a delimiter, which only the whole context contains",
+    ComposedPress: "it compresses with each of its presses in turn, through their own hooks only",
+    DMSPress: "it sets its threshold, not a compression ratio, which the chunks need to follow the budget",
+    ThinKPress: "it compresses channels, not entries",
 }
+# kvpress's own CriticalKV presses: their (A + eps) * N ranks a padded or evicted entry (A = -inf, N = 0) first (NaN)
+_BUILTIN_CRITICAL = tuple(getattr(kvpress, n) for n in ("CriticalKVPress", "CriticalAdaKVPress") if hasattr(kvpress, n))
 
 
 def _unsupported_inside_chunked(press) -> str | None:
     for cls, reason in _WHOLE_CONTEXT.items():
         if isinstance(press, cls):
             return reason
+    if isinstance(press, _BUILTIN_CRITICAL):
+        return (
+            "kvpress's built-in CriticalKV presses rank an excluded entry (score -inf, norm 0) first; use "
+            "kvpress_critical.CriticalKVPress / CriticalAdaKVPress, which select the same entries otherwise"
+        )
     if isinstance(press, (DecodingPress, PrefillDecodingPress)):
         return "ChunkedPrefillPress compresses the prefill: wrap a prefill press, not a decoding press"
     if type(press).__name__ == "CompactCachePress":
@@ -89,7 +105,8 @@ def _dense_view(layer: CompactLayer):
     """
     A compact layer (packed context + the chunk just appended to its tail) as dense ``(B, H_kv, L, d)`` tensors:
     each head's context entries first (original order), padding up to the longest head, then the tail, so that the
-    newest tokens are the last entries as every scorer expects. Returns keys, values, padding mask, positions.
+    newest tokens are the last entries as every scorer expects. Returns keys, values, padding mask, positions and the
+    ``(B, H_kv, width)`` mask of where the packed entries went.
     """
     bsz, num_kv_heads, d = layer.batch_size, layer.num_kv_heads, layer.head_dim
     lengths = layer.segment_lengths()  # (B, H_kv)
@@ -110,11 +127,11 @@ def _dense_view(layer: CompactLayer):
     positions[:, :, width:] = layer.tail_positions[:tail].to(device)
     padding = torch.zeros(bsz, num_kv_heads, total, dtype=torch.bool, device=device)
     padding[:, :, :width] = ~filled
-    return keys, values, padding, positions
+    return keys, values, padding, positions, filled
 
 
 @dataclass
-class ChunkedPrefillPress(BasePress):
+class ChunkedPrefillPress(InnerPressMixin, BasePress):
     """
     Prefill in chunks of ``chunk_size`` tokens, compressing every layer back to its budget after each chunk.
 
@@ -137,8 +154,13 @@ class ChunkedPrefillPress(BasePress):
     selected again; while the chunks are prefilled, their attention skips the masked entries exactly (kvpress's fake
     keys are not used for multi-token queries, see :func:`kvpress_critical.cache.attention.masked_attention`).
     Head-wise scoring of an uneven layout uses a padded view whose padding (and already-evicted entries) gets no
-    attention in SnapKV's window and the lowest scores. The projected-value norm is recomputed for every entry at
-    each chunk (a value's norm is fixed, but a press's normalisations, e.g. DefensiveKV's across heads, are not).
+    attention in SnapKV's window and the lowest scores. The projected-value norm of an entry is computed once, when
+    its chunk is first compressed (:mod:`kvpress_critical.norm_reuse`; exact, since it depends on the entry's value
+    only: DefensiveKV's normalisation across heads is recomputed from these raw norms), except for the entries the
+    first chunk kept, and for presses that prune with their own ``compress`` (kvpress's wrappers), whose kept order
+    is not known. A pruning ``ScorerPress`` (SnapKV, Knorm, CriticalKV...) is applied here as its scores plus a
+    per-head top-k that keeps the entries in position order (kvpress's ``compress`` keeps them in score order; the
+    selected set is the same up to ties).
 
     Refused (a clear error): presses that need the whole context at once (ExpectedAttention, PyramidKV,
     PerLayerCompression, key re-rotation, Finch), presses with their own ``__call__`` (KVzip...), decoding presses,
@@ -157,6 +179,8 @@ class ChunkedPrefillPress(BasePress):
 
     press: BasePress = None
     chunk_size: int = 4096
+    _norms: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # layer -> norms held
+    reused_norm_entries: int = field(default=0, init=False, repr=False, compare=False)
 
     compact_compatible: ClassVar[bool] = True  # CompactCachePress may wrap it (it compacts after each chunk)
 
@@ -193,20 +217,8 @@ class ChunkedPrefillPress(BasePress):
         return bounds
 
     @property
-    def compression_ratio(self) -> float:
-        return self.press.compression_ratio
-
-    @compression_ratio.setter
-    def compression_ratio(self, value: float) -> None:
-        check_ratio(value)
-        self.press.compression_ratio = value
-
-    @property
     def compresses_after_last_layer(self) -> bool:
         return bool(getattr(self.press, "compresses_after_last_layer", False))
-
-    def post_init_from_model(self, model):
-        self.press.post_init_from_model(model)
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         return self.press.compress(module, hidden_states, keys, values, attentions, kwargs)
@@ -228,7 +240,9 @@ class ChunkedPrefillPress(BasePress):
                     f"{type(self.press).__name__} selects every layer at once after the last one: it cannot compress "
                     "each layer after each chunk. Use DefensiveKVPress (per-layer budgets) with ChunkedPrefillPress."
                 )
-            if kwargs.get("attention_mask") is not None and not bool(kwargs["attention_mask"].all()):
+            self._check_layers(model)
+            mask = kwargs.get("attention_mask")  # (Gemma3's multimodal model passes its per-layer-type masks: a dict)
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
                 raise NotImplementedError(
                     "ChunkedPrefillPress does not support padded batches: prefill rows one by one"
                 )
@@ -261,15 +275,49 @@ class ChunkedPrefillPress(BasePress):
                     if base.forward != original_forward:
                         base.forward = original_forward
 
+    @property
+    def _own_selection(self) -> bool:
+        """A pruning scorer applied as its scores + an ordered per-head top-k (its class keeps kvpress's compress)."""
+        return isinstance(self.press, ScorerPress) and type(self.press).compress is ScorerPress.compress
+
+    def _check_layers(self, model) -> None:
+        hooked = hooked_attention_modules(model)
+        pruning = isinstance(self.press, ScorerPress)
+        if pruning and len(hooked) != len(attention_modules(model)):
+            raise NotImplementedError(
+                f"{type(model).__name__}: kvpress compresses only some layers of this model, and a pruning press "
+                "would leave the layers with different lengths, which the chunks' causal masks cannot follow; use a "
+                "head-wise press (e.g. CriticalAdaKVPress) with ChunkedPrefillPress on it"
+            )
+        sliding = [m.layer_idx for m in hooked if is_sliding_layer(m)]
+        if sliding and not pruning:
+            raise NotImplementedError(
+                f"layers {sliding} attend through a sliding window, which the exact masked attention of the chunks "
+                "does not implement (kvpress's fake keys can leak); use a pruning press or a one-shot prefill"
+            )
+
+    def _ordered_compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        """``ScorerPress.compress`` keeping the selected entries in position order (kvpress: score order)."""
+        if self.press.compression_ratio == 0:
+            return keys, values
+        scores = self.press.score(module, hidden_states, keys, values, attentions, kwargs)
+        n_kept = compute_n_kept(keys.shape[2], self.press.compression_ratio)
+        keep = top_budget_mask(scores, torch.full(scores.shape[:2], n_kept, device=scores.device))
+        bsz, num_kv_heads, _, head_dim = keys.shape
+        return keys[keep].view(bsz, num_kv_heads, -1, head_dim), values[keep].view(bsz, num_kv_heads, -1, head_dim)
+
     @contextmanager
     def _compressing(self, model):
         """Hooks compressing each layer after each chunk's forward."""
         modules = hooked_attention_modules(model)  # the layers the inner press compresses
         handles = [m.register_forward_hook(self._after_chunk, with_kwargs=True) for m in modules]
+        if self._own_selection:  # the first chunk too: the pruned cache stays in position order
+            self.press.compress = self._ordered_compress
         try:
             with exact_masked_attention():  # chunks attend exactly over the masking layout (no fake keys)
                 yield
         finally:
+            self.press.__dict__.pop("compress", None)
             for handle in handles:
                 handle.remove()
 
@@ -281,38 +329,46 @@ class ChunkedPrefillPress(BasePress):
         seen = self._seen
         chunk = hidden_states.shape[1]
         if seen == chunk:  # the first chunk: the inner press's own hook compressed it
+            self._norms.pop(idx, None)
             return output
         compact = isinstance(layer, CompactLayer)
+        stored = self._norms.pop(idx, {})  # norm name -> norms of the entries held, in the layout's order
         if compact:
             layer.tail_positions = torch.arange(seen - chunk, seen, dtype=torch.int32)
-            keys, values, excluded, positions = _dense_view(layer)
+            keys, values, excluded, positions, filled = _dense_view(layer)
+            known = {}
+            for name, packed in stored.items():  # packed (N,) -> the padded view's (B, H_kv, width)
+                dense = torch.zeros(filled.shape, dtype=packed.dtype, device=packed.device)
+                dense[filled] = packed
+                known[name] = dense
         else:
             keys, values = layer.keys, layer.values
             masked = getattr(module, "masked_key_indices", None)
             excluded = None if masked is None else ~keep_mask_from_indices(masked, keys.shape[:3], keys.device)
-            positions = None
+            positions, known = None, stored
         view_len = keys.shape[2]
         n_target = compute_n_kept(seen, self.compression_ratio)
         if n_target >= view_len and excluded is None:
-            return output  # nothing to evict yet
+            self._norms[idx] = stored  # nothing to evict yet (still a prefix of what the layer holds)
+            return output
         ratio = self.compression_ratio
         effective = min(max(1.0 - (n_target + 0.5) / view_len, 0.0), 1.0 - 1e-9)  # compute_n_kept(view_len, .) = target
         module.masked_key_indices = None
         self.press.compression_ratio = effective
+        own_selection = self._own_selection
         try:
-            with excluding(excluded), _patched_scorers(self.press):
-                if compact and isinstance(self.press, ScorerPress):  # a pruning press on the compact layout
+            with excluding(excluded), _patched_scorers(self.press), reusing_norms(known) as norms:
+                if own_selection:  # a pruning press: its scores, our top-k (which keeps the entries in order)
                     scores = self.press.score(module, hidden_states, keys, values, output[1], kwargs)
                     budgets = torch.full(scores.shape[:2], min(n_target, view_len), device=scores.device)
                     keep = top_budget_mask(mask_excluded(scores), budgets)
-                    new_keys = None
                 else:
                     new_keys, new_values = self.press.compress(module, hidden_states, keys, values, output[1], kwargs)
                     masked = getattr(module, "masked_key_indices", None)
                     keep = None if masked is None else keep_mask_from_indices(masked, keys.shape[:3], keys.device)
         finally:
             self.press.compression_ratio = ratio
-        if keep is None and new_keys.shape[2] < view_len:  # pruned: the dense cache keeps the selected entries only
+        if keep is None and new_keys.shape[2] < view_len:  # pruned by the press: which entries stay is not known
             layer.keys, layer.values = new_keys, new_values
             return output
         if keep is None:  # the press kept every entry
@@ -324,8 +380,16 @@ class ChunkedPrefillPress(BasePress):
                 keys, values, keep, reserve=layer.reserve, positions=positions, context_length=seen
             )
             module.masked_key_indices = None
-        else:  # masking layout: every entry not kept (now or before) is masked
+            self._norms[idx] = {name: full[keep] for name, full in norms.computed.items()}  # packed order
+        elif own_selection:  # pruning: the dense cache keeps the selected entries, in their order
+            bsz, num_kv_heads, _, head_dim = keys.shape
+            layer.keys = keys[keep].view(bsz, num_kv_heads, -1, head_dim)
+            layer.values = values[keep].view(bsz, num_kv_heads, -1, head_dim)
+            self._norms[idx] = {name: full[keep].view(bsz, num_kv_heads, -1) for name, full in norms.computed.items()}
+        else:  # masking layout: every entry not kept (now or before) is masked; the dense entries all stay
             module.masked_key_indices = tuple((~keep).nonzero(as_tuple=True))
+            self._norms[idx] = dict(norms.computed)
+        self.reused_norm_entries += norms.reused_entries
         return output
 
 

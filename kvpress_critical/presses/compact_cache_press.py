@@ -8,7 +8,8 @@ from kvpress.presses.base_press import is_prefilling
 
 from kvpress_critical.cache import DEFAULT_RESERVE, CompactLayer, compact_layer, install_attention, is_sliding_layer
 from kvpress_critical.modeling import decoder, hooked_attention_modules
-from kvpress_critical.presses.checks import check_ratio, nested_presses
+from kvpress_critical.presses.checks import nested_presses
+from kvpress_critical.presses.inner_press import InnerPressMixin
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def _unsupported_inside_compact(press) -> str | None:
 
 
 @dataclass
-class CompactCachePress(BasePress):
+class CompactCachePress(InnerPressMixin, BasePress):
     """
     Frees the memory head-wise presses only mask: each layer's cache keeps just the entries the press selected.
 
@@ -98,15 +99,6 @@ class CompactCachePress(BasePress):
             )
         if not isinstance(self.reserve, int) or self.reserve < 1:
             raise ValueError(f"reserve must be a positive number of tokens, got {self.reserve!r}")
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.press.compression_ratio
-
-    @compression_ratio.setter
-    def compression_ratio(self, value: float) -> None:
-        check_ratio(value)
-        self.press.compression_ratio = value
 
     def post_init_from_model(self, model):
         self.check_attention(model)

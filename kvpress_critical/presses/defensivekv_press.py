@@ -10,7 +10,7 @@ from kvpress_critical.modeling import check_attention_supports_masking, hooked_a
 from kvpress_critical.ops import NORMS
 from kvpress_critical.ops.projected_norm import check_backend_name
 from kvpress_critical.presses.checks import check_fraction, check_ratio
-from kvpress_critical.presses.exclusion import mask_excluded
+from kvpress_critical.presses.exclusion import excluded_entries, mask_excluded
 from kvpress_critical.presses.masking import set_masked_key_indices
 from kvpress_critical.presses.window_attention import window_attention
 from kvpress_critical.selection import compute_n_kept, defensive_scores, global_top_mask
@@ -87,7 +87,10 @@ class DefensiveKVPress(BasePress):
         attention = window_attention(module, hidden_states, keys, window, kwargs["position_embeddings"], attentions)
         n_kept = compute_n_kept(k_len, self.compression_ratio)
         projected_norm = module_projected_norm(module, values, self.norm, self.backend)
-        scores, _ = defensive_scores(attention, projected_norm, n_kept, self.kernel_size, self.mass)
+        excluded = excluded_entries()  # (chunked prefill) evicted entries
+        if excluded is not None and excluded.shape != projected_norm.shape:
+            excluded = None
+        scores, _ = defensive_scores(attention, projected_norm, n_kept, self.kernel_size, self.mass, excluded)
         return mask_excluded(scores), n_kept
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):

@@ -30,6 +30,18 @@ class HeadBudgetsMixin:
     and are computed once for all layers (HeadKV shares its pool across layers) and cached.
     """
 
+    def post_init_from_model(self, model):
+        check_attention_supports_masking(model.config, type(self).__name__)
+        self.press.post_init_from_model(model)
+        self.load_head_scores(model)
+
+    def scores_and_budgets(self, module, hidden_states, keys, values, attentions, kwargs):
+        """``(base scores (B, H_kv, T), host budgets (H_kv,), budgets (B, H_kv) on the scores' device)``."""
+        check_attention_supports_masking(module.config, type(self).__name__)
+        scores = base_scores(self.press, module, hidden_states, keys, values, attentions, kwargs)
+        host_budgets = self.layer_budgets(module, scores.shape[-1])  # on the host: the masked count needs no sync
+        return scores, host_budgets, host_budgets.to(scores.device).expand(scores.shape[0], -1)
+
     def load_head_scores(self, model) -> None:
         from kvpress_critical.head_scores import head_scores_for
 
@@ -101,20 +113,12 @@ class HeadKVPress(HeadBudgetsMixin, InnerPressMixin, BasePress):
         check_inner_press(self.press, type(self).__name__)
         self.check_headkv()
 
-    def post_init_from_model(self, model):
-        check_attention_supports_masking(model.config, type(self).__name__)
-        self.press.post_init_from_model(model)
-        self.load_head_scores(model)
-
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         if self.compression_ratio == 0:
             return keys, values
-        check_attention_supports_masking(module.config, type(self).__name__)
-        scores = base_scores(self.press, module, hidden_states, keys, values, attentions, kwargs)
-        bsz, num_kv_heads, k_len = scores.shape
-        budgets = self.layer_budgets(module, k_len)  # (H_kv,) on the host: the masked count needs no sync
-        keep = top_budget_mask(scores, budgets.to(scores.device).expand(bsz, -1))
-        set_masked_key_indices(module, keep, num_kv_heads * k_len - int(budgets.sum()))
+        scores, host_budgets, budgets = self.scores_and_budgets(module, hidden_states, keys, values, attentions, kwargs)
+        keep = top_budget_mask(scores, budgets)
+        set_masked_key_indices(module, keep, scores[0].numel() - int(host_budgets.sum()))
         return keys, values
 
 
@@ -162,25 +166,16 @@ class CriticalHeadKVPress(HeadBudgetsMixin, InnerPressMixin, BasePress):
         check_fraction(self.first_stage_ratio, "first_stage_ratio")
         self.check_headkv()
 
-    def post_init_from_model(self, model):
-        check_attention_supports_masking(model.config, type(self).__name__)
-        self.press.post_init_from_model(model)
-        self.load_head_scores(model)
-
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         if self.compression_ratio == 0:
             return keys, values
-        check_attention_supports_masking(module.config, type(self).__name__)
-        scores = base_scores(self.press, module, hidden_states, keys, values, attentions, kwargs)
-        bsz, num_kv_heads, k_len = scores.shape
-        host_budgets = self.layer_budgets(module, k_len)  # (H_kv,) on the host: the masked count needs no sync
-        budgets = host_budgets.to(scores.device).expand(bsz, -1)  # (B, H_kv)
+        scores, host_budgets, budgets = self.scores_and_budgets(module, hidden_states, keys, values, attentions, kwargs)
         n_first = (budgets * self.first_stage_ratio).long()
         if self.first_stage_ratio > 0:  # like first_stage_budget: at least one stage-1 entry in a non-empty head
             n_first = torch.where(budgets > 0, n_first.clamp(min=1), n_first)
         projected_norm = module_projected_norm(module, values, self.norm, self.backend)
         keep, _ = two_stage_keep_mask(scores, projected_norm, budgets, n_first, self.epsilon)
-        set_masked_key_indices(module, keep, num_kv_heads * k_len - int(host_budgets.sum()))
+        set_masked_key_indices(module, keep, scores[0].numel() - int(host_budgets.sum()))
         return keys, values
 
 
