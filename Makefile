@@ -18,6 +18,8 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,eval,triton,analysis,cluster
 EVAL_WORKERS ?= 2
 EVAL_THREADS ?= 1
+# pytest-xdist workers of `make test` (whole test files per worker); TEST_WORKERS=0: a single process
+TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
 export HF_HUB_OFFLINE ?= 1
@@ -49,8 +51,8 @@ check-cuda: install
 
 BENCH_ARGS ?=
 bench: build
-	$(PY) benchmarks/bench_projected_norm.py $(BENCH_ARGS)
-	$(PY) benchmarks/bench_prefill.py $(BENCH_ARGS)
+	$(PY) benchmarks/bench_projected_norm.py --overwrite $(BENCH_ARGS)
+	$(PY) benchmarks/bench_prefill.py --overwrite $(BENCH_ARGS)
 
 GPU_CHECK_DIR ?= benchmarks/results/gpu-dry-run
 gpu-check-dry-run: build
@@ -64,7 +66,7 @@ analysis: install
 	$(PY) -m kvpress_critical.analysis $(ANALYSIS_ARGS)
 
 test: build
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 eval-smoke: install
 	PYTHON=$(PY) bash evaluation/evaluate.sh --preset smoke --output-dir evaluation/results/smoke --workers $(EVAL_WORKERS) --threads $(EVAL_THREADS) $(EVAL_ARGS)

@@ -95,19 +95,24 @@ def run_ray_sweep(
     lock = sweep_lock(output_dir)
     started_here = False
     try:
+        report = SweepReport()
+        pending = pending_jobs(jobs, output_dir, report)
+        if not pending:  # a finished sweep needs no cluster (starting a local one takes seconds to minutes)
+            logger.info("nothing pending: Ray is not started")
+            return report
         if not ray.is_initialized():
             ray.init(address=address or os.environ.get("RAY_ADDRESS"), log_to_driver=False, **(init_kwargs or {}))
             started_here = True
-        return _run(ray, jobs, output_dir, dict(worker_extra or {}), gpus_per_job, threads_per_job, max_retries)
+        extra = dict(worker_extra or {})
+        return _run(ray, pending, report, output_dir, extra, gpus_per_job, threads_per_job, max_retries)
     finally:
         if started_here:
             ray.shutdown()
         lock.release()
 
 
-def _run(ray, jobs, output_dir: Path, extra: dict, gpus_per_job, threads_per_job, max_retries) -> SweepReport:
-    report = SweepReport()
-    pending = pending_jobs(jobs, output_dir, report)
+def _run(ray, pending, report: SweepReport, output_dir: Path, extra: dict, gpus_per_job, threads_per_job,
+         max_retries) -> SweepReport:  # fmt: skip
     task = ray.remote(max_retries=max_retries, retry_exceptions=False)(_run_configuration)
     refs = {}
     for job in pending:

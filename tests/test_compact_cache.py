@@ -302,15 +302,17 @@ def test_logits_match_the_masking_layout_on_tiny_models(family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("press_cls", [CriticalAdaKVPress, AdaKVPress])
-def test_smollm2_logits_and_answers_match_the_masking_layout(smollm2, smollm2_pipeline, press_cls):
+@pytest.mark.parametrize(  # three ratios over the two presses (each case costs two pipeline calls on SmolLM2)
+    ("press_cls", "cases"), [(CriticalAdaKVPress, ((0, 0.5), (1, 0.75))), (AdaKVPress, ((2, 0.25),))]
+)
+def test_smollm2_logits_and_answers_match_the_masking_layout(smollm2, smollm2_pipeline, press_cls, cases):
     from kvpress_critical.demo import haystack_context
 
     model, tokenizer = smollm2
     pipe = smollm2_pipeline
     needles = ["The secret passphrase for the archive is violet-harbor-42.", "The lighthouse keeper is named Oskar."]
     questions = ["What is the secret passphrase for the archive?", "What is the name of the lighthouse keeper?"]
-    for seed, ratio in ((0, 0.5), (1, 0.75), (2, 0.25)):
+    for seed, ratio in cases:
         context = haystack_context(tokenizer, 500, needles[seed % 2], seed=seed)
         inputs = pipe.preprocess(context, questions, "", max_context_length=10**6)
         ids, question = inputs["context_ids"], inputs["questions_ids"][0]

@@ -21,7 +21,9 @@ REPO = Path(__file__).resolve().parent.parent
 def test_presets_expand_to_the_protocols():
     smoke = load_preset("smoke")
     assert [m.name for m in smoke.models] == ["embedded"] and smoke.datasets[0].generate
-    assert len(expand(smoke)) == 1 + 4 * 3  # no_press once + 4 presses x 3 ratios
+    assert smoke.presses[:5] == ["no_press", "snapkv", "critical_snapkv", "adakv_snapkv", "critical_adakv_snapkv"]
+    assert {"headkv_snapkv", "critical_headkv_snapkv", "defensivekv", "layer_defensivekv"} <= set(smoke.presses)
+    assert len(expand(smoke)) == 1 + (len(smoke.presses) - 1) * 3  # no_press once + each press x 3 ratios
     paper = load_preset("paper")
     assert paper.compression_ratios == [0.9, 0.8, 0.6, 0.4]  # cache sizes 10/20/40/60 %
     assert [m.name for m in paper.models] == [
@@ -31,9 +33,11 @@ def test_presets_expand_to_the_protocols():
     ]
     longbench = [d.data_dir for d in paper.datasets if d.dataset == "longbench"]
     assert len(longbench) == 16 and "multifieldqa_en" in longbench and "multifieldqa_zh" not in longbench
-    assert {"snapkv", "critical_snapkv", "adakv_snapkv", "critical_adakv_snapkv"} <= set(paper.presses)
+    paper_presses = ["snapkv", "critical_snapkv", "adakv_snapkv", "critical_adakv_snapkv"]
+    paper_presses += ["headkv_snapkv", "critical_headkv_snapkv"]  # the paper's third base method
+    assert [p for p in paper.presses if p != "no_press"] == paper_presses
     jobs = expand(paper)
-    assert len(jobs) == 3 * len(paper.datasets) * (1 + 4 * 4)
+    assert len(jobs) == 3 * len(paper.datasets) * (1 + len(paper_presses) * 4)  # no_press once per dataset
     assert all(not j.config.get("query_aware") for j in jobs)  # context-only compression
     board = load_preset("leaderboard")
     assert [m.name for m in board.models] == ["Qwen/Qwen3-8B"]

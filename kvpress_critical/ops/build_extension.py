@@ -122,7 +122,9 @@ def build(verbose: bool = False) -> Path:
         "cuda_arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST"),
         "sources_sha256": sources_hash(),
     }
-    INFO_PATH.write_text(json.dumps(info, indent=2) + "\n")
+    tmp_info = INFO_PATH.with_suffix(".json.tmp")
+    tmp_info.write_text(json.dumps(info, indent=2) + "\n")
+    os.replace(tmp_info, INFO_PATH)  # atomic too: a process starting now reads the old or the new record
     logger.info("built %s (%s) in %.0f s", LIB_PATH, "CPU + CUDA" if with_cuda else "CPU", time.perf_counter() - start)
     return LIB_PATH
 
