@@ -58,7 +58,7 @@ CPU_BACKENDS = [n for n in ("torch", "cpp") if RAGGED_ATTENTION[n].availability(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("group", [1, 4, 7])
-@pytest.mark.parametrize("q_len", [1, 6])
+@pytest.mark.parametrize("q_len", [1, 6, 20])  # 20: the torch backend's per-segment sdpa path (a prefill chunk)
 @pytest.mark.parametrize("bsz", [1, 3])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_cpu_backends_match_reference(backend, bsz, q_len, group, head_dim, dtype):
@@ -70,6 +70,30 @@ def test_long_and_unequal_segments_split_across_threads(backend):
     """Segments longer than a work item (the C++ kernel splits them) next to empty ones."""
     check(backend, 3, 4, 1, 64, torch.float32, lengths=[2000, 0, 3, 1100, 1, 700], tail_extra=0)
     check(backend, 1, 4, 5, 128, torch.bfloat16, lengths=[1500, 7], tail_extra=2)
+
+
+def test_sdpa_path_with_the_tail_exactly_the_queries():
+    """A chunk over a compact cache: the tail holds only the chunk's queries (tail_len == q_len), long segments."""
+    from kvpress_critical.ops.torch_attention import SDPA_MIN_QUERIES
+
+    for dtype in (torch.float32, torch.bfloat16):
+        check("torch", 3, 4, 2 * SDPA_MIN_QUERIES, 64, dtype, lengths=[700, 0, 3, 1100, 1, 250], tail_extra=0)
+
+
+def test_auto_prefers_cpp_for_decoding_and_torch_for_chunks_on_cpu(caplog, monkeypatch):
+    """A preference by input shape, not a fallback: no warning either way."""
+    from kvpress_critical.ops.ragged_attention import CPU_MULTI_QUERY
+
+    if "cpp" not in RAGGED_ATTENTION.available("cpu"):
+        pytest.skip("the C++ extension is not built (make build)")
+    monkeypatch.delenv("KVPRESS_CRITICAL_ATTENTION_BACKEND", raising=False)
+    decode, _ = make(1, 4, 1, 64, torch.float32)
+    chunk, _ = make(1, 4, CPU_MULTI_QUERY, 64, torch.float32)
+    with caplog.at_level("WARNING"):
+        assert RAGGED_ATTENTION.resolve("auto", torch.device("cpu"), *decode) == "cpp"
+        assert RAGGED_ATTENTION.resolve("auto", torch.device("cpu"), *chunk) == "torch"
+        assert RAGGED_ATTENTION.resolve("cpp", torch.device("cpu"), *chunk) == "cpp"  # a named backend is kept
+    assert not caplog.records
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

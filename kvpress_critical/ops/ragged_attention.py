@@ -30,7 +30,21 @@ from kvpress_critical.ops.triton_backend import triton_availability, triton_devi
 logger = logging.getLogger(__name__)
 
 AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("flash", "triton", "torch"), "cpu": ("cpp", "torch")}
-RAGGED_ATTENTION = OpRegistry("ragged_attention", AUTO_ORDER, env_var="KVPRESS_CRITICAL_ATTENTION_BACKEND")
+# On CPU the cpp kernel is the fast path for decoding (a few queries); from this many queries on (a prefill chunk
+# over a compact cache) the torch backend's per-segment sdpa is faster: at 3.5K entries per head, SmolLM2's shape,
+# 64 queries take 34 ms in cpp and 11 ms in torch, 1024 queries 435 and ~130 ms (benchmarks/bench_ragged_attention.py)
+CPU_MULTI_QUERY = 8
+
+
+def _input_order(device_type: str, query=None, *_) -> tuple[str, ...] | None:
+    if device_type == "cpu" and query is not None and query.shape[2] >= CPU_MULTI_QUERY:
+        return ("torch", "cpp")
+    return None
+
+
+RAGGED_ATTENTION = OpRegistry(
+    "ragged_attention", AUTO_ORDER, env_var="KVPRESS_CRITICAL_ATTENTION_BACKEND", input_order=_input_order
+)
 
 
 def _check_inputs(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len) -> None:

@@ -70,12 +70,17 @@ class OpRegistry:
         Device type -> backend names in order of preference (names not registered are skipped).
     env_var : str
         Environment variable that replaces ``"auto"`` when set.
+    input_order : callable, optional
+        ``(device_type, *inputs) -> tuple of names or None``: a preference order for these inputs (for example,
+        another backend is faster for multi-token queries); None keeps ``auto_order``. Skipping a backend this way
+        is a preference, not a fallback: no warning.
     """
 
-    def __init__(self, op: str, auto_order: dict[str, tuple[str, ...]], env_var: str):
+    def __init__(self, op: str, auto_order: dict[str, tuple[str, ...]], env_var: str, input_order=None):
         self.op = op
         self.auto_order = auto_order
         self.env_var = env_var
+        self.input_order = input_order
         self.backends: dict[str, Backend] = {}
         self.warned: set[tuple[str, str]] = set()
 
@@ -129,7 +134,8 @@ class OpRegistry:
                 raise BackendUnavailableError(f"{self.op} backend {backend!r} cannot run these inputs: {refusal}")
             return backend
         skipped = []
-        for name in self.auto_order.get(device.type, ("torch",)):
+        order = self.input_order(device.type, *inputs) if self.input_order is not None and inputs else None
+        for name in order or self.auto_order.get(device.type, ("torch",)):
             b = self.backends.get(name)
             if b is None or device.type not in b.device_types():
                 continue

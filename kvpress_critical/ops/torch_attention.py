@@ -4,9 +4,16 @@ One segment (batch row, KV head) at a time: the segment's ``G`` query heads and 
 ``(G * q, d)`` problem against its context entries and against the tail, each scored in float32 without copying
 the cache (no ``repeat_kv``, no concatenation); the two softmax parts are merged by their log-sum-exp. A Python
 loop over segments: the portable fallback (``cpp`` on CPU and ``flash`` / ``triton`` on CUDA are the fast paths).
+
+From ``SDPA_MIN_QUERIES`` queries on (a prefill chunk over a compact cache), each segment is one float32
+``scaled_dot_product_attention`` call over its entries followed by the tail, with the causal part as a boolean mask:
+the fused kernel then beats both the loop above and the cpp kernel (which is written for decoding).
 """
 
 import torch
+import torch.nn.functional as F
+
+SDPA_MIN_QUERIES = 8
 
 
 def _part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
@@ -26,6 +33,8 @@ def ragged_attention_torch(query, keys, values, cu_seqlens, tail_keys, tail_valu
     group = heads // num_kv_heads
     out = torch.empty(bsz, q_len, heads, head_dim, dtype=query.dtype, device=query.device)
     offsets = cu_seqlens.tolist()
+    if q_len >= SDPA_MIN_QUERIES and tail_len >= q_len:  # every query sees at least itself
+        return _ragged_attention_sdpa(query, keys, values, offsets, tail_keys, tail_values, tail_len, scale, out)
     rows = torch.arange(q_len, device=query.device)
     tail_mask = None
     if tail_len:
@@ -49,4 +58,24 @@ def ragged_attention_torch(query, keys, values, cu_seqlens, tail_keys, tail_valu
                 result = sum(w * p[2] for w, p in zip(weights, parts)) / total.clamp_min(1e-30)
                 result = torch.where(total > 0, result, torch.zeros_like(result))
             out[b, :, h * group : (h + 1) * group] = result.view(group, q_len, head_dim).transpose(0, 1).to(out.dtype)
+    return out
+
+
+def _ragged_attention_sdpa(query, keys, values, offsets, tail_keys, tail_values, tail_len, scale, out):
+    bsz, heads, q_len, head_dim = query.shape
+    num_kv_heads = tail_keys.shape[1]
+    group = heads // num_kv_heads
+    # query i sees tail positions j <= tail_len - q_len + i, and every context entry of its segment
+    causal = torch.ones(q_len, tail_len, dtype=torch.bool, device=query.device).tril(tail_len - q_len)
+    for b in range(bsz):
+        for h in range(num_kv_heads):
+            s = b * num_kv_heads + h
+            n = offsets[s + 1] - offsets[s]
+            k = torch.cat([keys[offsets[s] : offsets[s + 1]], tail_keys[b, h, :tail_len]]).float()  # (n + t, d)
+            v = torch.cat([values[offsets[s] : offsets[s + 1]], tail_values[b, h, :tail_len]]).float()
+            mask = torch.cat([causal.new_ones(q_len, n), causal], dim=1)  # (q, n + t)
+            q = query[b : b + 1, h * group : (h + 1) * group].float()  # (1, G, q, d)
+            k, v = k[None, None].expand(1, group, -1, -1), v[None, None].expand(1, group, -1, -1)
+            result = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (1, G, q, d)
+            out[b, :, h * group : (h + 1) * group] = result[0].transpose(0, 1).to(out.dtype)
     return out
