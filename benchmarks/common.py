@@ -50,6 +50,9 @@ def parse_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.Name
         "OpenMP barrier stalls that make multi-threaded timings erratic",
     )
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier run's files (default: write <name>_2, _3, ...)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads is not None:
@@ -59,9 +62,18 @@ def parse_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.Name
 
 
 def output_stem(args: argparse.Namespace, name: str) -> Path:
-    """``<out-dir>/<name>_<device>[_<n>thread]``: the CSV and markdown files of a run, without suffix."""
+    """
+    ``<out-dir>/<name>_<device>[_<n>thread]``: the CSV and markdown files of a run, without suffix. An earlier run's
+    files are never replaced unless ``--overwrite`` is given: the first free ``..._2``, ``..._3``... is used.
+    """
     threads = f"_{args.threads}thread" if args.threads else ""
-    return args.out_dir / f"{name}_{args.device.type}{threads}"
+    base = args.out_dir / f"{name}_{args.device.type}{threads}"
+    stem, n = base, 1
+    taken = lambda stem: any(stem.with_name(stem.name + suffix).exists() for suffix in (".csv", ".md"))  # noqa: E731
+    while not getattr(args, "overwrite", False) and taken(stem):
+        n += 1
+        stem = base.with_name(f"{base.name}_{n}")
+    return stem
 
 
 def command_line() -> str:
