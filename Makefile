@@ -18,7 +18,8 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,eval,triton,analysis,cluster
 EVAL_WORKERS ?= 2
 EVAL_THREADS ?= 1
-# pytest-xdist workers of `make test` (whole test files per worker); TEST_WORKERS=0: a single process
+# pytest-xdist workers of `make test` (whole test files per worker; tests marked serial run after, alone);
+# TEST_WORKERS=0: a single process
 TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
@@ -66,7 +67,8 @@ analysis: install
 	$(PY) -m kvpress_critical.analysis $(ANALYSIS_ARGS)
 
 test: build
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]  # 5: no serial test selected
 
 eval-smoke: install
 	PYTHON=$(PY) bash evaluation/evaluate.sh --preset smoke --output-dir evaluation/results/smoke --workers $(EVAL_WORKERS) --threads $(EVAL_THREADS) $(EVAL_ARGS)

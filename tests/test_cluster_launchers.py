@@ -36,7 +36,7 @@ TINY = {
 GOOD = [f"ruler_offline__256__{MODEL}__no_press__0.00", f"ruler_offline__256__{MODEL}__critical_snapkv__0.50"]
 FAILING = f"ruler_offline__256__{MODEL}__duo_attention__0.50"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # Ray runs its tasks niced: not beside another test worker
 
 
 def evaluate(*args, env=None, timeout=900):
