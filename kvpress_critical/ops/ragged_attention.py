@@ -24,7 +24,7 @@ import torch
 from kvpress_critical.ops.cpp_backend import cpp_availability, extension_state
 from kvpress_critical.ops.flash_backend import flash_availability, flash_supports, ragged_attention_flash
 from kvpress_critical.ops.registry import Backend, OpRegistry
-from kvpress_critical.ops.torch_attention import ragged_attention_torch
+from kvpress_critical.ops.torch_attention import SDPA_MIN_QUERIES, ragged_attention_torch
 from kvpress_critical.ops.triton_backend import triton_availability, triton_devices
 
 logger = logging.getLogger(__name__)
@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("flash", "triton", "torch"), "cpu": ("cpp", "torch")}
 # On CPU the cpp kernel is the fast path for decoding (a few queries); from this many queries on (a prefill chunk
 # over a compact cache) the torch backend's per-segment sdpa is faster: at 3.5K entries per head, SmolLM2's shape,
-# 64 queries take 34 ms in cpp and 11 ms in torch, 1024 queries 435 and ~130 ms (benchmarks/bench_ragged_attention.py)
-CPU_MULTI_QUERY = 8
+# 64 queries take 34 ms in cpp and 11 ms in torch, 1024 queries 410 and 108 ms. The threshold is the one at which
+# the torch backend switches to that path (below it, its per-segment loop is not faster than cpp).
+CPU_MULTI_QUERY = SDPA_MIN_QUERIES
 
 
 def _input_order(device_type: str, query=None, *_) -> tuple[str, ...] | None:
