@@ -19,7 +19,6 @@ one-shot answer. Configurations of one context run back to back, methods interle
 """
 
 import argparse
-import datetime
 import logging
 import sys
 import time
@@ -31,12 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_compact_cache import kv_bytes, load_model  # noqa: E402
 from common import (  # noqa: E402
     PeakResident,
-    command_line,
     fmt,
-    machine_description,
     markdown_table,
-    output_stem,
+    model_stem,
     parse_arguments,
+    result_header,
     return_freed_memory_to_the_os,
     write_results,
 )
@@ -137,14 +135,14 @@ def main(argv=None) -> int:
     chosen = methods(args.ratio)
     if args.methods:
         chosen = {k: v for k, v in chosen.items() if k in args.methods.split(",")}
-    stem = output_stem(args, "chunked_prefill" + ("" if args.model == "default" else "_" + args.model.split(":")[-1]))
-    header = (
-        f"## Compression during chunked prefill on {device.type.upper()}\n\n"
-        f"Model: {label}. Machine: {machine_description(device)}. Measured {datetime.date.today()}; compression ratio "
-        f"{args.ratio:g}; one needle-in-a-haystack context per length, greedy answers of 16 tokens; one run per "
-        f"configuration; peak memory from the process's resident high-water mark"
-        f"{'' if precise else ' (allocator cache included)'}.\n"
-        f"Reproduce: `{command_line()}`\n\n"
+    stem = model_stem(args, "chunked_prefill")
+    header = result_header(
+        "Compression during chunked prefill",
+        device,
+        f"compression ratio {args.ratio:g}; one needle-in-a-haystack context per length, greedy answers of 16 "
+        "tokens; one run per configuration; peak memory from the process's resident high-water mark"
+        f"{'' if precise else ' (allocator cache included)'}",
+        model=label,
     )
     rows = []
     for n_tokens in [int(t) for t in args.tokens.split(",")]:

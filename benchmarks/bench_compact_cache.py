@@ -20,7 +20,6 @@ one after the other on the same context; ratios measured in the same run.
 """
 
 import argparse
-import datetime
 import logging
 import random
 import statistics
@@ -33,13 +32,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     PeakResident,
-    command_line,
     fmt,
-    machine_description,
     markdown_table,
-    output_stem,
+    model_stem,
     parse_arguments,
     peak_extra_bytes,
+    result_header,
     return_freed_memory_to_the_os,
     synchronize,
     write_results,
@@ -233,13 +231,13 @@ def main(argv=None) -> int:
     if args.quick:
         args.tokens, args.ratios, args.decode_steps, args.layers = "256", "0.5", 4, args.layers or 2
     model, tokenizer, label = load_model(args.model, device, args.layers)
-    stem = output_stem(args, "compact_cache" + ("" if args.model == "default" else "_" + args.model.split(":")[-1]))
-    header = (
-        f"## Compact cache vs masking vs pruning on {device.type.upper()}\n\n"
-        f"Model: {label}. Machine: {machine_description(device)}. Measured {datetime.date.today()}; "
+    stem = model_stem(args, "compact_cache")
+    header = result_header(
+        "Compact cache vs masking vs pruning",
+        device,
         f"{args.decode_steps} decoding steps (mean of all but the first), one prefill per configuration; peak "
-        f"memory from the process's resident high-water mark{'' if precise else IMPRECISE}.\n"
-        f"Reproduce: `{command_line()}`\n\n"
+        f"memory from the process's resident high-water mark{'' if precise else IMPRECISE}",
+        model=label,
     )
     rows = []
     for n_tokens in [int(t) for t in args.tokens.split(",")]:

@@ -19,7 +19,6 @@ does not carry the run-to-run noise of the model's forward pass. Results go to
 """
 
 import argparse
-import datetime
 import logging
 import sys
 import time
@@ -29,12 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    command_line,
     fmt,
-    machine_description,
     markdown_table,
     output_stem,
     parse_arguments,
+    result_header,
     summary,
     synchronize,
     time_interleaved,
@@ -166,12 +164,14 @@ def main(argv=None) -> int:
             cells.append(fmt(r["best_ms"], 0) + extra)
         table.append(cells)
     text = (
-        f"## Prefill of SmolLM2-135M-Instruct ({str(model.dtype).replace('torch.', '')}, "
-        f"{model.config._attn_implementation}) on {device.type.upper()}\n\n"
-        f"Machine: {machine_description(device)}. Measured {datetime.date.today()}; best of {args.repeats} interleaved "
-        f"prefills after a warm-up; compression ratio {args.ratio}. Overheads: CriticalKV against SnapKV, "
-        "CriticalAdaKV against AdaKV(SnapKV); end to end, and from the time inside the press's compress (summed over "
-        f"layers) over the baseline's prefill time.\nReproduce: `{command_line()}`\n\n"
+        result_header(
+            f"Prefill of SmolLM2-135M-Instruct ({str(model.dtype).replace('torch.', '')}, "
+            f"{model.config._attn_implementation})",
+            device,
+            f"best of {args.repeats} interleaved prefills after a warm-up; compression ratio {args.ratio}. Overheads: "
+            "CriticalKV against SnapKV, CriticalAdaKV against AdaKV(SnapKV); end to end, and from the time inside "
+            "the press's compress (summed over layers) over the baseline's prefill time",
+        )
         + markdown_table(header, table)
         + "\n"
     )

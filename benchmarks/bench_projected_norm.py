@@ -17,7 +17,6 @@ Peak extra memory is measured in a separate untimed call (``common.peak_extra_by
 """
 
 import argparse
-import datetime
 import logging
 import sys
 from pathlib import Path
@@ -27,13 +26,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    command_line,
     fmt,
-    machine_description,
     markdown_table,
     output_stem,
     parse_arguments,
     peak_extra_bytes,
+    result_header,
     single_thread,
     summary,
     time_interleaved,
@@ -222,11 +220,10 @@ def main(argv=None) -> int:
 
     dtypes = args.dtypes.split(",")
     stem = output_stem(args, "projected_norm" + ("" if dtypes == ["float32"] else "_" + "-".join(dtypes)))
-    header = (
-        f"## projected_value_norm on {device.type.upper()}\n\n"
-        f"Machine: {machine_description(device)}. Measured {datetime.date.today()}; best of {args.repeats} "
-        f"interleaved calls after a warm-up; batch {args.batch}.\n"
-        f"Reproduce: `{command_line()}`\n\n"
+    header = result_header(
+        "projected_value_norm",
+        device,
+        f"best of {args.repeats} interleaved calls after a warm-up; batch {args.batch}",
     )
     all_rows = []
     for model in args.models.split(","):

@@ -11,7 +11,6 @@ cost a pruning press with the same budget would pay. Methods run interleaved rou
 """
 
 import argparse
-import datetime
 import logging
 import sys
 from pathlib import Path
@@ -21,12 +20,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    command_line,
     fmt,
-    machine_description,
     markdown_table,
     output_stem,
     parse_arguments,
+    result_header,
     summary,
     time_interleaved,
     write_results,
@@ -124,12 +122,11 @@ def main(argv=None) -> int:
     dtypes = args.dtypes or ("bfloat16" if device.type == "cuda" else "float32,bfloat16")
     averages = [int(a) for a in ("256,1024" if args.quick else args.averages).split(",")]
     stem = output_stem(args, "ragged_attention")
-    header = (
-        f"## Ragged attention (one layer, decoding) on {device.type.upper()}\n\n"
-        f"Machine: {machine_description(device)}. Measured {datetime.date.today()}; best of {args.repeats} "
-        f"interleaved calls after a warm-up. Llama-3.1-8B attention (32 query heads, 8 KV heads, head_dim 128), "
-        f"batch 1, one query; unequal per-head lengths vs a dense cache with the same total.\n"
-        f"Reproduce: `{command_line()}`\n\n"
+    header = result_header(
+        "Ragged attention (one layer, decoding)",
+        device,
+        f"best of {args.repeats} interleaved calls after a warm-up. Llama-3.1-8B attention (32 query heads, 8 KV "
+        "heads, head_dim 128), batch 1, one query; unequal per-head lengths vs a dense cache with the same total",
     )
     rows = []
     for dtype_name in dtypes.split(","):

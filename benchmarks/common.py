@@ -1,6 +1,7 @@
 """Shared pieces of the benchmarks: machine description, interleaved timing, peak extra memory, table output."""
 
 import argparse
+import datetime
 import logging
 import os
 import platform
@@ -74,6 +75,24 @@ def output_stem(args: argparse.Namespace, name: str) -> Path:
         n += 1
         stem = base.with_name(f"{base.name}_{n}")
     return stem
+
+
+def result_header(title: str, device: torch.device, details: str, model: str | None = None) -> str:
+    """
+    The markdown heading of a result file: what was measured, on which model and machine, when, how (``details``,
+    one or more sentences without the final full stop) and the command that reproduces it.
+    """
+    model_part = f"Model: {model}. " if model else ""
+    return (
+        f"## {title} on {device.type.upper()}\n\n"
+        f"{model_part}Machine: {machine_description(device)}. Measured {datetime.date.today()}; {details}.\n"
+        f"Reproduce: `{command_line()}`\n\n"
+    )
+
+
+def model_stem(args: argparse.Namespace, name: str) -> Path:
+    """:func:`output_stem` of a benchmark with ``--model``: the model's name is appended unless it is the default."""
+    return output_stem(args, name + ("" if args.model == "default" else "_" + args.model.split(":")[-1]))
 
 
 def command_line() -> str:
