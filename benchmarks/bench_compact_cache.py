@@ -60,6 +60,13 @@ CONFIG_MODELS = {  # config-built models with random weights (no download): shap
         vocab_size=128256,
         rope_theta=500000.0,
     ),  # fmt: skip
+    "tiny": dict(  # Llama's layout at a size a CPU builds in a second (gpu_check dry run: the logic, not the numbers)
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=2048,
+    ),  # fmt: skip
 }
 
 

@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     args = parse_arguments(parser, argv)
     device = args.device
     dtypes = args.dtypes or ("bfloat16" if device.type == "cuda" else "float32,bfloat16")
-    averages = [int(a) for a in ("256,1024" if args.quick else args.averages).split(",")]
+    averages = [int(a) for a in ("64,256" if args.quick else args.averages).split(",")]
     stem = output_stem(args, "ragged_attention")
     header = result_header(
         "Ragged attention (one layer, decoding)",

@@ -157,7 +157,7 @@ spills() {  # registers and spills of the compiled Triton kernels, as ptxas repo
 
 if [ "$DRY" = 1 ]; then  # the same steps at sizes a CPU does in seconds (the logic is what is checked)
   LLAMA=smollm; T16=64; T32=128; REP=1; SMOKE_T=16; REST="--models smollm --tokens 64"; QUICK=--quick
-  COMPACT_MODEL=default  # SmolLM2; an 8B-shaped model's 4 GB of random embeddings take a CPU minutes to build
+  COMPACT_MODEL=config:tiny  # Llama-shaped, 2 layers: an 8B-shaped model's 4 GB of random embeddings take minutes
 else
   LLAMA=llama; T16=4096; T32=32768; REP=5; SMOKE_T=1000; REST="--models qwen,smollm --tokens 4096,32768"; QUICK=
   COMPACT_MODEL=config:llama-3.1-8b
