@@ -68,7 +68,7 @@ analysis: install
 	$(PY) -m kvpress_critical.analysis $(ANALYSIS_ARGS)
 
 test: build
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=15 $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]  # 5: no serial test selected
 
 eval-smoke: install
