@@ -119,11 +119,11 @@ install_wheels() {  # the carried wheels into a private target, first on PYTHONP
 
 build() {
   if [ "$DRY" = 1 ]; then
-    "$PY" kvpress_critical/ops/build_extension.py && return 0
+    "$PY" kvpress_critical/ops/extension.py && return 0
   fi
   # CUDA first; a CUDA build failure falls back to the CPU-only extension (Triton and torch backends still run)
-  KVPRESS_CRITICAL_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} "$PY" kvpress_critical/ops/build_extension.py \
-    || { echo "CUDA build failed: building the CPU extension only"; KVPRESS_CRITICAL_BUILD_CUDA=0 "$PY" kvpress_critical/ops/build_extension.py; }
+  KVPRESS_CRITICAL_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} "$PY" kvpress_critical/ops/extension.py \
+    || { echo "CUDA build failed: building the CPU extension only"; KVPRESS_CRITICAL_BUILD_CUDA=0 "$PY" kvpress_critical/ops/extension.py; }
   "$PY" -c "from kvpress_critical.ops import available_backends; print('available on cuda:', available_backends('cuda'))"
 }
 

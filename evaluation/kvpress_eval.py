@@ -173,3 +173,8 @@ def import_kvpress_evaluation(path: str | os.PathLike | None = None) -> SimpleNa
     if evaluate.PRESS_REGISTRY is not registry.PRESS_REGISTRY:
         raise ImportError("kvpress's evaluate.py and evaluate_registry.py do not share their registries")
     return SimpleNamespace(evaluate=evaluate, registry=registry, folder=folder)
+
+
+if __name__ == "__main__":  # `python -m evaluation.kvpress_eval`: fetch kvpress's evaluation code now (make install)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(f"kvpress's evaluation code: {evaluation_dir()}")

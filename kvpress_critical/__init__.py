@@ -6,9 +6,8 @@ norm and its backends) need only torch: where kvpress is not installed (e.g. a G
 kernels), the package still imports and the presses raise an ``ImportError`` that says what to install.
 """
 
+from kvpress_critical._version import __version__
 from kvpress_critical.ops import available_backends, projected_value_norm
-
-__version__ = "0.1.0"
 
 _PRESSES = (
     "ChunkedPrefillPress",
@@ -38,7 +37,7 @@ else:
         LayerDefensiveKVPress,
     )
 
-__all__ = [*_PRESSES, "available_backends", "projected_value_norm"]
+__all__ = [*_PRESSES, "__version__", "available_backends", "projected_value_norm"]
 
 
 def __getattr__(name: str):

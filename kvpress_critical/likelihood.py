@@ -120,14 +120,17 @@ class LikelihoodPipeline(KVPressTextGenerationPipeline):
     Set :attr:`targets` (``sample_key(context, question) -> target``: text fed after the question, whose spans
     marked ``[[...]]`` are scored, e.g. ``"The capital is [[ Paris]]."``; questions without a target are only
     answered) and optionally :attr:`reference` (``sample_key -> TokenScores`` of the full cache) before calling it;
-    read :attr:`records` afterwards (one dict per scored question, in call order). With :attr:`score_only` the
-    greedy answer is skipped (the reference pass). Setting :attr:`reference_file` and :attr:`reference_samples`
+    read :attr:`records` afterwards (one dict per scored question, in call order). :attr:`answer_prefixes`
+    (``sample_key -> text``) gives a question its own answer prefix, appended after kvpress's common one (the
+    greedy answer and the target then continue it). With :attr:`score_only` the greedy answer is skipped (the
+    reference pass). Setting :attr:`reference_file` and :attr:`reference_samples`
     instead of :attr:`reference` makes the first call compute or load it (:func:`ensure_reference`).
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.targets: dict[str, str] = {}
+        self.answer_prefixes: dict[str, str] = {}
         self.reference: dict[str, TokenScores] | None = None
         self.records: list[dict] = []
         self.scores: dict[str, TokenScores] = {}
@@ -139,6 +142,13 @@ class LikelihoodPipeline(KVPressTextGenerationPipeline):
     def preprocess(self, context, questions, answer_prefix, max_context_length, enable_thinking=False):
         out = super().preprocess(context, questions, answer_prefix, max_context_length, enable_thinking)
         keys = [sample_key(context, q) for q in questions]
+        prefixes = [self.answer_prefixes.get(k) for k in keys]
+        out["questions_ids"] = [
+            torch.cat([ids, self.tokenizer.encode(prefix, return_tensors="pt", add_special_tokens=False)], dim=1)
+            if prefix
+            else ids
+            for ids, prefix in zip(out["questions_ids"], prefixes)
+        ]
         out["sample_keys"] = keys
         out["target_ids"] = [self.target_ids(self.targets[k]) if k in self.targets else None for k in keys]
         return out

@@ -1,4 +1,5 @@
-"""The C++/CUDA extension: torch.library registration, fake (meta) implementations, argument checks, build states.
+"""The C++/CUDA extension: torch.library registration, fake (meta) implementations, argument checks, compilation on
+first use (cache, lock, missing tools).
 
 Numerical agreement with the reference over the full grid is in test_backends.py.
 """
@@ -12,15 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpress_critical.ops import BackendUnavailableError, cpp_backend, projected_value_norm, projected_value_norm_ref
-from kvpress_critical.ops import build_extension as ext
+from kvpress_critical.ops import BackendUnavailableError, projected_value_norm, projected_value_norm_ref
+from kvpress_critical.ops import extension as ext
+from kvpress_critical.ops.projected_norm import PROJECTED_NORM
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def ops():
-    reason = cpp_backend.cpp_availability()
+    reason = ext.cpp_availability()
     if reason is not None:
         pytest.skip(reason)
     return torch.ops.kvpress_critical
@@ -121,7 +123,7 @@ def test_every_cpu_instruction_set_matches_the_reference(ops):
         f"spec = importlib.util.spec_from_file_location('naive', {str(REPO / 'kvpress_critical/ops/naive.py')!r})\n"
         "naive = importlib.util.module_from_spec(spec); spec.loader.exec_module(naive)\n"
         "projected_value_norm_ref = naive.projected_value_norm_ref\n"
-        f"torch.ops.load_library({str(ext.LIB_PATH)!r})\n"
+        f"torch.ops.load_library({str(ext.extension_state().path)!r})\n"
         "g = torch.Generator().manual_seed(0)\n"
         "v = torch.randn(3, 30, 2, 2 * 80, generator=g).transpose(1, 2)[..., ::2]\n"  # strided values
         "w = torch.randn(203, 8 * 80, generator=g) / 9\n"
@@ -142,42 +144,79 @@ def test_every_cpu_instruction_set_matches_the_reference(ops):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Build states: a missing, stale or mismatched library is reported with the fix, never loaded.
+# Compilation on first use: where the library is cached, what happens when a tool is missing.
 
 
 @pytest.fixture
-def fresh_state(monkeypatch):
-    """Let cpp_backend re-evaluate the extension, and restore the real state afterwards."""
-    monkeypatch.setattr(cpp_backend, "_STATE", None)
-    yield
-    # monkeypatch restores _STATE
+def fresh_state(monkeypatch, tmp_path):
+    """An empty cache folder and a process that has not loaded the extension yet (the real state is restored)."""
+    monkeypatch.setenv("KVPRESS_CRITICAL_HOME", str(tmp_path))
+    monkeypatch.setattr(ext, "_STATE", None)
+    monkeypatch.setattr(PROJECTED_NORM, "warned", set())
+    yield tmp_path
 
 
-def test_missing_library_says_how_to_build(fresh_state, monkeypatch, tmp_path):
-    monkeypatch.setattr(ext, "LIB_PATH", tmp_path / "missing.so")
-    reason = cpp_backend.cpp_availability()
-    assert reason is not None and "not built" in reason and "make build" in reason
+def test_the_cache_folder_is_per_torch_accelerator_python_and_sources(monkeypatch):
+    tag = ext.build_tag(False)
+    assert tag.startswith(f"torch{torch.__version__.replace('+', '_')}-cpu-py")
+    assert tag.endswith(ext.sources_hash()[:16])
+    assert ext.build_tag(False, "0" * 64) != tag  # other sources: another library, never a stale one
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert ext.build_tag(False) != tag and "torch9.9.9" in ext.build_tag(False)
+    assert ext.library_path(False, "ab" * 32).parent.parent == ext.cache_root()
+
+
+def test_a_missing_compiler_falls_back_once_and_says_what_to_install(fresh_state, monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    reason = ext.cpp_availability()
+    assert reason is not None and "no C++ compiler" in reason and "apt install g++" in reason
     values, weight, heads = small_inputs()
-    with pytest.raises(BackendUnavailableError, match="backend 'cpp' is not available: .*make build"):
+    with pytest.raises(BackendUnavailableError, match="backend 'cpp' is not available: .*no C\\+\\+ compiler"):
         projected_value_norm(values, weight, heads, backend="cpp")
-    with pytest.raises(BackendUnavailableError, match="make build"):
-        projected_value_norm(values, weight, heads, backend="cuda")
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            out = projected_value_norm(values, weight, heads, backend="auto")
+    torch.testing.assert_close(out, projected_value_norm_ref(values, weight, heads), rtol=2e-5, atol=1e-5)
+    warnings = [r.getMessage() for r in caplog.records if "using backend 'torch'" in r.getMessage()]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0]
+    assert not any(fresh_state.rglob("*.so"))
 
 
-def test_stale_sources_and_other_torch_are_reported(fresh_state, monkeypatch, tmp_path):
-    if not ext.LIB_PATH.exists():
-        pytest.skip("the extension is not built")
-    monkeypatch.setattr(ext, "sources_hash", lambda: "0" * 64)
-    assert "older sources" in cpp_backend._load().reason
-    info = tmp_path / "build_info.json"
-    info.write_text('{"torch": "1.0.0", "cuda": false}')
-    monkeypatch.setattr(ext, "INFO_PATH", info)
-    reason = cpp_backend._load().reason
-    assert "built for torch 1.0.0" in reason and "make build" in reason
+def test_missing_ninja_and_compiling_switched_off_are_reported(fresh_state, monkeypatch):
+    monkeypatch.setattr(ext, "_tool_path", lambda: str(fresh_state))  # no ninja on this PATH
+    assert "pip install ninja" in ext.cpp_availability()
+    monkeypatch.setattr(ext, "_STATE", None)
+    monkeypatch.setenv("KVPRESS_CRITICAL_COMPILE", "0")
+    reason = ext.cpp_availability()
+    assert "KVPRESS_CRITICAL_COMPILE=0" in reason and "kvpress-critical-build" in reason
+    with pytest.raises(BackendUnavailableError, match="kvpress-critical-build"):
+        projected_value_norm(*small_inputs(), backend="cuda")
+
+
+@pytest.mark.slow
+def test_parallel_first_uses_compile_once(tmp_path):
+    """Two processes needing the extension at once in an empty cache: one compiles, the other waits and loads it."""
+    script = (
+        "import logging, torch\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "from kvpress_critical.ops import extension, projected_value_norm\n"
+        "v, w = torch.randn(1, 2, 9, 16), torch.randn(24, 4 * 16)\n"
+        "torch.testing.assert_close(projected_value_norm(v, w, 4, backend='cpp'), projected_value_norm(v, w, 4, "
+        "backend='torch'), rtol=2e-5, atol=1e-5)\n"
+        "print('loaded', extension.extension_state().path)\n"
+    )
+    env = {**os.environ, "KVPRESS_CRITICAL_HOME": str(tmp_path)}
+    runs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for _ in range(2)]  # fmt: skip
+    outputs = [run.communicate(timeout=600) for run in runs]
+    assert all(run.returncode == 0 for run in runs), [err[-2000:] for _, err in outputs]
+    libraries = {out.strip().splitlines()[-1] for out, _ in outputs}
+    assert len(libraries) == 1 and len(list(tmp_path.rglob("*.so"))) == 1
+    assert sum(err.count("compiled ") for _, err in outputs) == 1, [err[-2000:] for _, err in outputs]
 
 
 def test_cuda_build_flag_fails_loudly_without_a_cuda_toolchain(monkeypatch):
-    if ext._cuda_toolchain() is None:
+    if ext.cuda_toolchain() is None:
         pytest.skip("CUDA can be compiled here")
     monkeypatch.setenv("KVPRESS_CRITICAL_BUILD_CUDA", "1")
     with pytest.raises(RuntimeError, match="KVPRESS_CRITICAL_BUILD_CUDA=1 but CUDA cannot be compiled"):

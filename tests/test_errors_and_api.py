@@ -107,9 +107,11 @@ def test_expected_attention_with_vnorm_warns(caplog):
 
 def test_unavailable_backend_requested_explicitly():
     saved = dict(dispatch._BACKENDS)
-    dispatch.register_backend(dispatch.Backend("cpp", None, ("cpu",), lambda: "not built: run `make build`"))
+    dispatch.register_backend(
+        dispatch.Backend("cpp", None, ("cpu",), lambda: "not compiled: run `kvpress-critical-build`")
+    )
     try:
-        with pytest.raises(BackendUnavailableError, match="make build"):
+        with pytest.raises(BackendUnavailableError, match="kvpress-critical-build"):
             CriticalKVPress(SnapKVPress(0.5), backend="cpp")
     finally:
         dispatch._BACKENDS.clear()

@@ -125,7 +125,9 @@ def test_integer_inputs_are_rejected_with_a_hint():
 def fake_backends():
     """Register an unavailable 'cpp' and an available 'fake' backend; restore the registry afterwards."""
     saved, warned = dict(dispatch._BACKENDS), set(dispatch._warned)
-    register_backend(Backend("cpp", projected_value_norm_torch, ("cpu",), lambda: "not built: run `make build`"))
+    register_backend(
+        Backend("cpp", projected_value_norm_torch, ("cpu",), lambda: "not compiled: run `kvpress-critical-build`")
+    )
     calls = []
 
     def fake(*args):
@@ -148,7 +150,7 @@ def test_dispatch_names_and_errors(fake_backends):
     assert "torch" in available_backends("cuda") and "fake" not in available_backends("cuda")
     with pytest.raises(ValueError, match="unknown backend 'nope'"):
         projected_value_norm(values, weight, heads, backend="nope")
-    with pytest.raises(BackendUnavailableError, match="make build"):
+    with pytest.raises(BackendUnavailableError, match="kvpress-critical-build"):
         projected_value_norm(values, weight, heads, backend="cpp")
     projected_value_norm(values, weight, heads, backend="fake")
     assert len(fake_backends) == 1
@@ -160,7 +162,7 @@ def test_auto_falls_back_with_one_warning(fake_backends, caplog):
         projected_value_norm(values, weight, heads)
         projected_value_norm(values, weight, heads)
     warnings = [r for r in caplog.records if "'cpp' is not available" in r.getMessage()]
-    assert len(warnings) == 1 and "make build" in warnings[0].getMessage()
+    assert len(warnings) == 1 and "kvpress-critical-build" in warnings[0].getMessage()
     assert dispatch.resolve_backend("auto", torch.device("cpu")) == "torch"
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvpress_critical.ops import RAGGED_ATTENTION, flash_backend, ragged_attention, ragged_attention_ref
+from kvpress_critical.ops.extension import cpp_availability
 from kvpress_critical.ops.ragged_attention import ATTENTION_TOLERANCE, random_layout
 from kvpress_critical.ops.registry import BackendUnavailableError
 
@@ -85,7 +86,7 @@ def test_auto_prefers_cpp_for_decoding_and_torch_for_chunks_on_cpu(caplog, monke
     from kvpress_critical.ops.ragged_attention import CPU_MULTI_QUERY
 
     if "cpp" not in RAGGED_ATTENTION.available("cpu"):
-        pytest.skip("the C++ extension is not built (make build)")
+        pytest.skip(f"the C++ extension is unavailable: {cpp_availability()}")
     monkeypatch.delenv("KVPRESS_CRITICAL_ATTENTION_BACKEND", raising=False)
     decode, _ = make(1, 4, 1, 64, torch.float32)
     chunk, _ = make(1, 4, CPU_MULTI_QUERY, 64, torch.float32)

@@ -43,7 +43,7 @@ def _names(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m kvpress_critical.analysis",
+        prog="kvpress-critical-analysis",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -123,6 +123,12 @@ def main(argv=None) -> "RunFolder":
         return _run(args, argv)
     finally:
         torch.set_num_threads(threads)
+
+
+def cli(argv=None) -> int:
+    """``kvpress-critical-analysis`` (console script): :func:`main`, with an exit status."""
+    main(argv)
+    return 0
 
 
 def _run(args, argv) -> RunFolder:

@@ -1,4 +1,7 @@
-"""python -m kvpress_critical.head_scores --model <dir|default> --out <file>: profile HeadKV head scores."""
+"""Profile HeadKV head scores: ``kvpress-critical-head-scores --model <dir|default> --out <file>``.
+
+The same as ``python -m kvpress_critical.head_scores``.
+"""
 
 import argparse
 import logging
@@ -13,7 +16,7 @@ def main(argv=None) -> int:
     from kvpress_critical.head_scores import METHODS, build_trials, profile_head_scores, save_head_scores
     from kvpress_critical.head_scores.profiler import DEFAULT_DEPTHS, DEFAULT_LENGTHS
 
-    parser = argparse.ArgumentParser(prog="python -m kvpress_critical.head_scores", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvpress-critical-head-scores", description=__doc__)
     parser.add_argument("--model", default="default", help="'default' (the embedded SmolLM2), a folder or a hub id")
     parser.add_argument("--out", required=True, help="JSON file to write (HeadKV's format; metadata in .meta.json)")
     parser.add_argument("--method", choices=METHODS, default="reasoning")

@@ -142,15 +142,8 @@ def _triton(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len, s
     return launch_ragged_attention(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len, scale, max_seqlen)
 
 
-def _cpp_attention_availability() -> str | None:
-    reason = cpp_availability()
-    if reason is None and not hasattr(torch.ops.kvpress_critical, "ragged_attention"):
-        return "the C++ extension was built without the ragged attention kernel: run `make build`"
-    return reason
-
-
 RAGGED_ATTENTION.register(Backend("torch", ragged_attention_torch, ("cpu", "cuda"), lambda: None))
-RAGGED_ATTENTION.register(Backend("cpp", ragged_attention_ext, ("cpu",), _cpp_attention_availability))
+RAGGED_ATTENTION.register(Backend("cpp", ragged_attention_ext, ("cpu",), cpp_availability))
 RAGGED_ATTENTION.register(Backend("triton", _triton, triton_devices, triton_availability))
 RAGGED_ATTENTION.register(
     Backend("flash", ragged_attention_flash, ("cuda",), flash_availability, supports=flash_supports)
