@@ -39,7 +39,7 @@ from common import (  # noqa: E402
 )
 
 from kvpress_critical.ops import available_backends, projected_value_norm  # noqa: E402
-from kvpress_critical.ops.torch_backend import gram_factors  # noqa: E402
+from kvpress_critical.ops.projected_norm.torch_backend import gram_factors  # noqa: E402
 
 logger = logging.getLogger("bench_projected_norm")
 

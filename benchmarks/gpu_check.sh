@@ -152,7 +152,7 @@ tests() {
 spills() {  # registers and spills of the compiled Triton kernels, as ptxas reports them (ahead of time)
   local archs=90
   [ "$DRY" = 1 ] || archs=80,90
-  env -u TRITON_INTERPRET "$PY" -m kvpress_critical.ops.triton_backend.aot --arch "$archs" | tee "$STEP_DIR/spills.jsonl"
+  env -u TRITON_INTERPRET "$PY" -m kvpress_critical.ops.triton_aot --arch "$archs" | tee "$STEP_DIR/spills.jsonl"
 }
 
 if [ "$DRY" = 1 ]; then  # the same steps at sizes a CPU does in seconds (the logic is what is checked)

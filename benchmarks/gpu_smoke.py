@@ -21,7 +21,14 @@ from pathlib import Path
 import torch
 
 from kvpress_critical.ops import available_backends, projected_value_norm, projected_value_norm_ref
-from kvpress_critical.ops.naive import UNIT_ROUNDOFF, projected_value_norm_error_bound
+from kvpress_critical.ops.projected_norm.naive import UNIT_ROUNDOFF, projected_value_norm_error_bound
+from kvpress_critical.ops.ragged_attention import (
+    ATTENTION_TOLERANCE,
+    RAGGED_ATTENTION,
+    ragged_attention,
+    ragged_attention_ref,
+    random_layout,
+)
 
 HIDDEN = 203 * 16  # not a multiple of any tile size
 
@@ -76,12 +83,37 @@ def check_norm(backend, device, dtype, head_dim, norm, tokens, bsz=3, kv_heads=2
 
 
 def attention_cases(device: torch.device, tokens: int) -> list[dict]:
-    """The ragged attention op of the compact cache, every backend of this device against its reference."""
-    try:
-        from kvpress_critical.ops.ragged_attention import smoke_cases
-    except ImportError:
-        return [dict(op="ragged_attention", skipped="the op does not exist in this version")]
-    return smoke_cases(device, tokens)
+    """The ragged attention of the compact cache: every backend of ``device`` against the reference, unequal heads."""
+    rows = []
+    names = [n for n in RAGGED_ATTENTION.available(device) if n != "torch"] + ["torch"]
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for q_len in (1, 7):
+            lengths = [tokens, 0, 1, tokens // 3, 2 * tokens, 17]  # batch 3 x 2 KV heads, very unequal
+            inputs = random_layout(3, 2, 4, q_len, 128, lengths, tail_len=q_len + 5, capacity=q_len + 9, dtype=dtype)
+            ref = ragged_attention_ref(*inputs, tail_len=q_len + 5, scale=128**-0.5).double()
+            for name in names:
+                backend = RAGGED_ATTENTION[name]
+                if backend.refusal(inputs[0], inputs[1]) is not None:
+                    continue
+                moved = [t.to(device) for t in inputs]
+                start = time.perf_counter()
+                out = ragged_attention(*moved, tail_len=q_len + 5, scale=128**-0.5, backend=name)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                error = float((out.cpu().double() - ref).abs().max())
+                tol = ATTENTION_TOLERANCE[dtype]
+                rows.append(
+                    dict(
+                        op="ragged_attention",
+                        backend=name,
+                        dtype=str(dtype).replace("torch.", ""),
+                        q_len=q_len,
+                        max_abs_error=error,
+                        ok=bool(error <= tol[1] + tol[0] * float(ref.abs().max()) and not torch.isnan(out).any()),
+                        seconds=round(time.perf_counter() - start, 4),
+                    )
+                )
+    return rows
 
 
 def main(argv=None) -> int:

@@ -11,9 +11,9 @@ import torch
 
 from kvpress_critical.ops import projected_norm as dispatch
 from kvpress_critical.ops import projected_value_norm, projected_value_norm_ref
-from kvpress_critical.ops.cpp_backend import projected_value_norm_ext
-from kvpress_critical.ops.naive import UNIT_ROUNDOFF, projected_value_norm_error_bound
-from kvpress_critical.ops.triton_backend import projected_value_norm_triton
+from kvpress_critical.ops.projected_norm.cpp_backend import projected_value_norm_cpp
+from kvpress_critical.ops.projected_norm.naive import UNIT_ROUNDOFF, projected_value_norm_error_bound
+from kvpress_critical.ops.projected_norm.triton_backend import projected_value_norm_triton
 
 # Tolerances are derived, not tuned: inputs of every dtype are exact in float32 (16-bit products too), so the only
 # error is float32 accumulation, bounded per output by projected_value_norm_error_bound (Higham's gamma_n) with the
@@ -46,7 +46,7 @@ HIDDEN = 203
 NUM_KV_HEADS = 2
 
 # backend name -> function taking an optional `out`
-FUSED = {"cpp": projected_value_norm_ext, "cuda": projected_value_norm_ext, "triton": projected_value_norm_triton}
+FUSED = {"cpp": projected_value_norm_cpp, "cuda": projected_value_norm_cpp, "triton": projected_value_norm_triton}
 HAS_CUDA = torch.cuda.is_available()
 
 

@@ -14,7 +14,7 @@ from kvpress_critical.ops import (
     register_backend,
 )
 from kvpress_critical.ops import projected_norm as dispatch
-from kvpress_critical.ops.torch_backend import gram_factors, projected_value_norm_torch
+from kvpress_critical.ops.projected_norm.torch_backend import gram_factors, projected_value_norm_torch
 
 # Inputs are upcast exactly to float32, so the error is float32 accumulation only: one row per dtype.
 TOLERANCES = {  # dtype: (rtol, atol)

@@ -13,9 +13,9 @@ import types
 import pytest
 import torch
 
-from kvpress_critical.ops import RAGGED_ATTENTION, flash_backend, ragged_attention, ragged_attention_ref
+from kvpress_critical.ops import RAGGED_ATTENTION, ragged_attention, ragged_attention_ref
 from kvpress_critical.ops.extension import cpp_availability
-from kvpress_critical.ops.ragged_attention import ATTENTION_TOLERANCE, random_layout
+from kvpress_critical.ops.ragged_attention import ATTENTION_TOLERANCE, flash_backend, random_layout
 from kvpress_critical.ops.registry import BackendUnavailableError
 
 HAS_CUDA = torch.cuda.is_available()
@@ -75,7 +75,7 @@ def test_long_and_unequal_segments_split_across_threads(backend):
 
 def test_sdpa_path_with_the_tail_exactly_the_queries():
     """A chunk over a compact cache: the tail holds only the chunk's queries (tail_len == q_len), long segments."""
-    from kvpress_critical.ops.torch_attention import SDPA_MIN_QUERIES
+    from kvpress_critical.ops.ragged_attention.torch_backend import SDPA_MIN_QUERIES
 
     for dtype in (torch.float32, torch.bfloat16):
         check("torch", 3, 4, 2 * SDPA_MIN_QUERIES, 64, dtype, lengths=[700, 0, 3, 1100, 1, 250], tail_extra=0)

@@ -16,8 +16,9 @@ import torch
 from test_backends import assert_within_bound, make_inputs, run_fused
 
 from kvpress_critical.ops import projected_norm as dispatch
-from kvpress_critical.ops import projected_value_norm_ref
-from kvpress_critical.ops.triton_backend import kernel, launcher, triton_availability, triton_devices
+from kvpress_critical.ops import projected_value_norm_ref, triton_utils
+from kvpress_critical.ops.projected_norm import triton_backend as launcher
+from kvpress_critical.ops.triton_utils import triton_availability, triton_devices
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -52,10 +53,10 @@ def test_triton_matches_reference(case):
 def test_dispatch_runs_triton_on_cpu_tensors_only_under_the_interpreter(monkeypatch):
     values, weight, heads = make_inputs(1, 2, 5, 16, torch.float32, True)
     if not torch.cuda.is_available():
-        assert kernel.interpreter_enabled() and "cpu" in triton_devices()
+        assert triton_utils.interpreter_enabled() and "cpu" in triton_devices()
         out = dispatch.projected_value_norm(values, weight, heads, backend="triton")
         torch.testing.assert_close(out, projected_value_norm_ref(values, weight, heads), rtol=2e-5, atol=1e-5)
-    monkeypatch.setattr(kernel, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(triton_utils, "interpreter_enabled", lambda: False)
     assert triton_devices() == ("cuda",)
     with pytest.raises(dispatch.BackendUnavailableError, match="runs on \\[.cuda.\\]|need a CUDA GPU"):
         dispatch.projected_value_norm(values, weight, heads, backend="triton")
@@ -64,7 +65,7 @@ def test_dispatch_runs_triton_on_cpu_tensors_only_under_the_interpreter(monkeypa
 
 
 def test_interpreter_switched_on_after_import_is_reported(monkeypatch):
-    monkeypatch.setattr(kernel, "interpreter_mismatch", lambda: True)
+    monkeypatch.setattr(triton_utils, "interpreter_mismatch", lambda: True)
     assert "before starting Python" in triton_availability()
 
 
@@ -98,7 +99,7 @@ def gpu_resource_usage():
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, "-m", "kvpress_critical.ops.triton_backend.aot", "--arch", "80,90"],
+        [sys.executable, "-m", "kvpress_critical.ops.triton_aot", "--arch", "80,90"],
         capture_output=True,
         text=True,
         env=env,
@@ -112,7 +113,7 @@ def gpu_resource_usage():
 
 def test_gpu_tiles_do_not_spill(gpu_resource_usage):
     """Every tile configuration of the launcher: no register spills on Ampere and Hopper (fp32 spilled 10 KB)."""
-    from kvpress_critical.ops.triton_backend.aot import CASES
+    from kvpress_critical.ops.triton_aot import CASES
 
     assert len(gpu_resource_usage) == 2 * len(CASES)
     spilling = [r for r in gpu_resource_usage if r["spill_stores"] or r["spill_loads"]]

@@ -28,7 +28,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvpress_critical.cache.compact import CompactKV
 from kvpress_critical.cache.convert import effective_window, keep_mask_from_indices
-from kvpress_critical.ops.ragged_attention import ragged_attention
+from kvpress_critical.ops.ragged_attention import cu_seqlens_from_lengths, ragged_attention
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +84,7 @@ def masked_attention(module, query, key, value, masked_key_indices, scaling=None
     q_len, k_len = query.shape[2], key.shape[2]
     prefix = k_len - q_len
     keep = keep_mask_from_indices(masked_key_indices, key.shape[:3], key.device)[:, :, :prefix]  # (B, H_kv, P)
-    lengths = keep.sum(-1).reshape(-1).cpu()
-    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    cu[1:] = lengths.cumsum(0)
+    cu = cu_seqlens_from_lengths(keep.sum(-1))
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     return ragged_attention(
         query,
@@ -97,7 +95,7 @@ def masked_attention(module, query, key, value, masked_key_indices, scaling=None
         value[:, :, prefix:],
         q_len,
         scale,
-        max_seqlen=int(lengths.max()) if lengths.numel() else 0,
+        max_seqlen=int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0,
         backend=_backend(),
     )
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvpress_critical.ops.ragged_attention.layout import cu_seqlens_from_lengths
+
 DEFAULT_RESERVE = 64
 """Tail capacity reserved at compaction (grown by doubling)."""
 
@@ -159,9 +161,7 @@ class CompactLayer(CacheLayerMixin):
         if keep.shape != keys.shape[:3]:
             raise ValueError(f"keep mask of shape {tuple(keep.shape)} for a cache of shape {tuple(keys.shape)}")
         keep = keep.to(keys.device)
-        lengths = keep.sum(-1).reshape(-1).cpu()  # (S,)
-        cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-        cu[1:] = lengths.cumsum(0)
+        cu = cu_seqlens_from_lengths(keep.sum(-1))  # (S + 1,), on the host
         if positions is None:
             positions = torch.arange(k_len, device=keys.device, dtype=torch.int32).expand(bsz, num_kv_heads, k_len)
         # boolean indexing walks (b, h, t) in order: segments are contiguous, entries in their original order

@@ -1,4 +1,7 @@
-"""Launcher of the Triton projected-norm kernel (layer 2 of 3): tile configuration, grid, argument plumbing.
+"""The ``"triton"`` backend of ``projected_value_norm`` (layer 2 of 2): tile configuration, grid, launch.
+
+Runs on CUDA tensors; with ``TRITON_INTERPRET=1`` also on CPU tensors through Triton's interpreter (slow: for tests and
+debugging).
 
 Tile configurations are a table keyed on the device (and on the operand width, since float32 ``ieee`` dots
 need smaller tiles), rather than autotuning, so the first call does not benchmark and results are
@@ -13,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpress_critical.ops.triton_backend.kernel import get_kernel, interpreter_enabled
+from kvpress_critical.ops.projected_norm.torch_backend import head_projections
+from kvpress_critical.ops.projected_norm.triton_kernel import get_kernel
+from kvpress_critical.ops.triton_utils import interpreter_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -137,3 +142,15 @@ def launch_head_projected_norm(
             num_stages=cfg.num_stages,
         )
     return out
+
+
+def projected_value_norm_triton(
+    values: torch.Tensor,
+    o_proj_weight: torch.Tensor,
+    num_attention_heads: int,
+    norm: str = "l1",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Fused Triton implementation; see :func:`kvpress_critical.projected_value_norm`. ``out``: optional buffer."""
+    proj = head_projections(o_proj_weight, num_attention_heads, norm)
+    return launch_head_projected_norm(values, proj, norm, out)

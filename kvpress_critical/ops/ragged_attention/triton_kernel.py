@@ -1,7 +1,7 @@
-"""Triton kernel of the ragged attention over the compact KV layout (kernel, launcher: ``attention_launcher``).
+"""Triton kernel of the ragged attention over the compact KV layout (layer 1 of 2; :mod:`.triton_backend` launches it).
 
-Like ``kernel.py``, the function is kept undecorated and jitted on first use (``get_attention_kernel``), so the
-interpreter mode is read when it runs (``TRITON_INTERPRET=1``).
+Like the projected norm's kernel, the function is kept undecorated and jitted on first use
+(:func:`get_attention_kernel`), so the interpreter mode is read when it runs (``TRITON_INTERPRET=1``).
 """
 
 import triton
@@ -93,7 +93,7 @@ def _ragged_attention(
 
 def get_attention_kernel():
     """The jitted kernel for the current mode (compiled, or interpreted under ``TRITON_INTERPRET=1``)."""
-    from kvpress_critical.ops.triton_backend.kernel import interpreter_enabled
+    from kvpress_critical.ops.triton_utils import interpreter_enabled
 
     mode = interpreter_enabled()
     if mode not in _KERNELS:

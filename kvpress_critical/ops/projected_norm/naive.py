@@ -1,7 +1,7 @@
-"""Plain-torch references for the ops in this package.
+"""The plain-torch reference of ``projected_value_norm`` and the worst-case error bound of its backends.
 
-These are the specification: they materialise every intermediate, compute in float64 and are written
-to be obviously correct, not fast. Every backend is tested against them.
+The reference is the specification: it materialises every intermediate, computes in float64 and is written to be
+obviously correct, not fast. Every backend is tested against it, within :func:`projected_value_norm_error_bound`.
 """
 
 import torch
@@ -80,7 +80,7 @@ def projected_value_norm_error_bound(
 
     ``unit_roundoff``: :data:`UNIT_ROUNDOFF` ``["ieee"]`` (round to nearest) or ``["tensor_core"]``.
     """
-    from kvpress_critical.ops.torch_backend import gram_factors
+    from kvpress_critical.ops.projected_norm.torch_backend import gram_factors
 
     bsz, num_kv_heads, k_len, head_dim = values.shape
     hidden = o_proj_weight.shape[0]
@@ -107,58 +107,3 @@ def projected_value_norm_error_bound(
     mean = per_head.view(bsz, num_kv_heads, group, k_len).mean(2)
     result = value.view(bsz, num_kv_heads, group, k_len).mean(2)
     return mean + (_gamma(group + 1, u) + u) * result
-
-
-def ragged_attention_ref(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    tail_keys: torch.Tensor,
-    tail_values: torch.Tensor,
-    tail_len: int,
-    scale: float,
-) -> torch.Tensor:
-    """
-    Reference attention over the compact per-head layout (float64, one segment at a time, entries concatenated).
-
-    Parameters
-    ----------
-    query : torch.Tensor
-        ``(B, H, q, d)`` post-RoPE queries of the ``q`` new tokens.
-    keys, values : torch.Tensor
-        ``(N, d)`` packed context entries; segment ``s = b * H_kv + h`` (batch row ``b``, KV head ``h``) is rows
-        ``cu_seqlens[s]:cu_seqlens[s + 1]``.
-    cu_seqlens : torch.Tensor
-        ``(B * H_kv + 1,)`` segment offsets.
-    tail_keys, tail_values : torch.Tensor
-        ``(B, H_kv, C, d)``: tokens appended after the context, the first ``tail_len`` valid. The queries are the
-        last ``q`` of them: query ``i`` sees tail positions ``j <= tail_len - q + i`` (causal).
-    scale : float
-        Softmax scale (``1 / sqrt(d)`` for most models).
-
-    Returns
-    -------
-    torch.Tensor
-        ``(B, q, H, d)`` in the query's dtype (the layout transformers' attention functions return). A query that
-        sees no entry gets zeros.
-    """
-    bsz, heads, q_len, head_dim = query.shape
-    num_kv_heads = tail_keys.shape[1]
-    group = heads // num_kv_heads
-    out = torch.zeros(bsz, q_len, heads, head_dim, dtype=torch.float64)
-    offsets = [int(x) for x in cu_seqlens.tolist()]
-    for b in range(bsz):
-        for h in range(num_kv_heads):
-            s = b * num_kv_heads + h
-            k = torch.cat([keys[offsets[s] : offsets[s + 1]], tail_keys[b, h, :tail_len]]).double().cpu()
-            v = torch.cat([values[offsets[s] : offsets[s + 1]], tail_values[b, h, :tail_len]]).double().cpu()
-            n_ctx = offsets[s + 1] - offsets[s]
-            q = query[b, h * group : (h + 1) * group].double().cpu()  # (G, q, d)
-            scores = torch.einsum("gid,nd->gin", q, k) * scale
-            position = torch.arange(k.shape[0]) - n_ctx  # tail position of each entry (negative: context)
-            visible = position[None, :] <= (tail_len - q_len + torch.arange(q_len))[:, None]  # (q, n)
-            scores = scores.masked_fill(~visible, float("-inf"))
-            weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with nothing visible: zeros
-            out[b, :, h * group : (h + 1) * group] = torch.einsum("gin,nd->igd", weights, v)
-    return out.to(query.dtype)

@@ -1,13 +1,16 @@
-"""Triton kernel of the projected-value norm (layer 1 of 3: kernel, launcher, backend wrapper).
+"""Triton kernel of the projected-value norm (layer 1 of 2: the kernel; :mod:`.triton_backend` launches it).
 
 ``_head_projected_norm`` is kept undecorated: :func:`get_kernel` applies ``triton.jit`` on first use, once per
 mode, because Triton reads ``TRITON_INTERPRET`` when a function is decorated. Its own standard library
 (``tl.sum``...) is decorated when triton is imported, so the interpreter only works when ``TRITON_INTERPRET=1``
-is set before triton is imported (:func:`interpreter_mismatch` detects the other case).
+is set before triton is imported (:func:`kvpress_critical.ops.triton_utils.interpreter_mismatch` detects the other
+case).
 """
 
 import triton
 import triton.language as tl
+
+from kvpress_critical.ops.triton_utils import interpreter_enabled
 
 _KERNELS: dict = {}
 
@@ -89,27 +92,6 @@ def _head_projected_norm(
 
     o_ptrs = out_ptr + b * so_b + kv * so_h + offs_t * so_t
     tl.store(o_ptrs, group_acc / group, mask=t_mask)
-
-
-def interpreter_enabled() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), read now."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def interpreter_mismatch() -> bool:
-    """True when the interpreter is on but triton was imported before it was: kernels would fail to run."""
-    if not interpreter_enabled():
-        return False
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:
-        return False
-    return not isinstance(tl.sum, InterpretedFunction)
 
 
 def get_kernel():

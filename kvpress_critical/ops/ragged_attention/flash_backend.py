@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpress_critical.ops.offsets import offsets_on
+from kvpress_critical.ops.ragged_attention.layout import offsets_on
 
 MIN_FLASH_VERSION = (2, 6)  # unpadded varlen log-sum-exp (nheads, total_q)
 

@@ -1,4 +1,4 @@
-"""The ``"cpp"`` (CPU) and ``"cuda"`` backends: the ``kvpress_critical::*`` operators of the C++/CUDA extension.
+"""The ``"cpp"`` backend of ``projected_value_norm``: the C++ extension's fused CPU kernel.
 
 The extension (``csrc/``, compiled on first use, see :mod:`kvpress_critical.ops.extension`) is a shared library
 registering, through ``torch.library``:
@@ -6,10 +6,13 @@ registering, through ``torch.library``:
 - ``kvpress_critical::head_projected_norm(Tensor values, Tensor head_proj, str norm) -> Tensor`` and its
   ``.out`` overload (writes into ``out``, returns nothing): the mean over each KV head's query group of
   ``||values @ head_proj[h].T||_p``, with ``head_proj`` of shape ``(H, N, d)``
-  (:func:`~kvpress_critical.ops.torch_backend.head_projections`);
+  (:func:`~kvpress_critical.ops.projected_norm.torch_backend.head_projections`);
 - ``kvpress_critical::projected_value_norm(Tensor values, Tensor o_proj_weight, int num_attention_heads,
   str norm='l1') -> Tensor``: the same through a view of the ``o_proj`` weight (L2 is then exact but ``D``-wide;
-  the backends below use the cached Gram factors instead).
+  this backend uses the cached Gram factors instead).
+
+The same operators run the CUDA kernels on CUDA tensors when the extension was compiled with them
+(:mod:`.cuda_backend`).
 
 Loading is lazy (first use or availability check) and never fails the import of the package: an extension that
 cannot be compiled makes the backends unavailable with a message saying what is missing. Fake (meta)
@@ -18,13 +21,11 @@ implementations are registered so the operators trace under ``torch.compile``.
 
 import torch
 
-from kvpress_critical.ops.extension import cpp_availability, cuda_availability, extension_state
-from kvpress_critical.ops.torch_backend import head_projections
-
-__all__ = ["cpp_availability", "cuda_availability", "extension_state", "projected_value_norm_ext"]
+from kvpress_critical.ops.extension import extension_state
+from kvpress_critical.ops.projected_norm.torch_backend import head_projections
 
 
-def projected_value_norm_ext(
+def projected_value_norm_cpp(
     values: torch.Tensor,
     o_proj_weight: torch.Tensor,
     num_attention_heads: int,
@@ -32,7 +33,7 @@ def projected_value_norm_ext(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """
-    Projected-value norm through the extension's fused kernel (CPU or CUDA, by the tensors' device).
+    Projected-value norm through the extension's fused kernel (CPU; the CUDA kernel for CUDA tensors).
 
     L1 reads ``o_proj_weight`` in place; L2 goes through the cached Gram factors (``d x d`` per head).
 

@@ -1,5 +1,5 @@
-"""Launcher of the Triton ragged attention: split of every segment into chunks (flash-decoding), grid, and the
-log-sum-exp merge of the partial results."""
+"""The ``"triton"`` backend of ``ragged_attention`` (layer 2 of 2, :mod:`.triton_kernel` is the kernel): split of
+every segment into chunks (flash-decoding), grid, and the log-sum-exp merge of the partial results."""
 
 import contextlib
 
@@ -7,9 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpress_critical.ops.offsets import offsets_on
-from kvpress_critical.ops.triton_backend.attention_kernel import get_attention_kernel
-from kvpress_critical.ops.triton_backend.kernel import interpreter_enabled
+from kvpress_critical.ops.ragged_attention.layout import offsets_on
+from kvpress_critical.ops.ragged_attention.triton_kernel import get_attention_kernel
+from kvpress_critical.ops.triton_utils import interpreter_enabled
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -23,7 +23,7 @@ def _blocks(rows: int, head_dim: int) -> tuple[int, int, int, int, int]:
     return block_m, 64 if block_d <= 128 else 32, block_d, 4, 2
 
 
-def launch_ragged_attention(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len, scale, max_seqlen=None):
+def ragged_attention_triton(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len, scale, max_seqlen=None):
     """See :func:`kvpress_critical.ops.ragged_attention`."""
     bsz, heads, q_len, head_dim = query.shape
     num_kv_heads = tail_keys.shape[1]

@@ -13,21 +13,28 @@ Backends (:data:`RAGGED_ATTENTION`; ``auto`` order CPU ``cpp`` > ``torch``, CUDA
 parallel over segments and chunks of them), ``triton`` (CUDA; the interpreter on CPU tensors for tests) and
 ``flash`` (flash-attn's ``flash_attn_varlen_func`` on the packed context and ``flash_attn_func`` on the tail, merged
 by log-sum-exp; fp16 / bf16, when the package ``flash-attn`` is installed).
+
+The folder holds the op whole: :mod:`.naive` (the float64 reference and the tolerances), one module per backend
+(:mod:`.torch_backend`, :mod:`.cpp_backend`, :mod:`.triton_backend` with :mod:`.triton_kernel`, :mod:`.flash_backend`),
+:mod:`.layout` (offsets, random layouts) and this dispatch.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from kvpress_critical.ops.cpp_backend import cpp_availability, extension_state
-from kvpress_critical.ops.flash_backend import flash_availability, flash_supports, ragged_attention_flash
+from kvpress_critical.ops.extension import cpp_availability
+from kvpress_critical.ops.ragged_attention.cpp_backend import ragged_attention_cpp
+from kvpress_critical.ops.ragged_attention.flash_backend import (
+    flash_availability,
+    flash_supports,
+    ragged_attention_flash,
+)
+from kvpress_critical.ops.ragged_attention.layout import cu_seqlens_from_lengths, offsets_on, random_layout
+from kvpress_critical.ops.ragged_attention.naive import ATTENTION_TOLERANCE, ragged_attention_ref
+from kvpress_critical.ops.ragged_attention.torch_backend import SDPA_MIN_QUERIES, ragged_attention_torch
 from kvpress_critical.ops.registry import Backend, OpRegistry
-from kvpress_critical.ops.torch_attention import SDPA_MIN_QUERIES, ragged_attention_torch
-from kvpress_critical.ops.triton_backend import triton_availability, triton_devices
-
-logger = logging.getLogger(__name__)
+from kvpress_critical.ops.triton_utils import triton_availability, triton_devices
 
 AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("flash", "triton", "torch"), "cpu": ("cpp", "torch")}
 # On CPU the cpp kernel is the fast path for decoding (a few queries); from this many queries on (a prefill chunk
@@ -127,111 +134,29 @@ def ragged_attention(
     )
 
 
-def ragged_attention_ext(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len, scale, max_seqlen=None):
-    """The C++ extension's CPU kernel (``kvpress_critical::ragged_attention``)."""
-    reason = extension_state().reason
-    if reason is not None:
-        raise RuntimeError(reason)
-    cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
-    return torch.ops.kvpress_critical.ragged_attention(query, keys, values, cu, tail_keys, tail_values, tail_len, scale)
+def ragged_attention_triton(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len, scale, max_seqlen=None):
+    """The Triton backend (imports triton on first use: :mod:`.triton_backend`)."""
+    from kvpress_critical.ops.ragged_attention.triton_backend import ragged_attention_triton as triton_fn
 
-
-def _triton(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len, scale, max_seqlen=None):
-    from kvpress_critical.ops.triton_backend.attention_launcher import launch_ragged_attention
-
-    return launch_ragged_attention(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len, scale, max_seqlen)
+    return triton_fn(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len, scale, max_seqlen)
 
 
 RAGGED_ATTENTION.register(Backend("torch", ragged_attention_torch, ("cpu", "cuda"), lambda: None))
-RAGGED_ATTENTION.register(Backend("cpp", ragged_attention_ext, ("cpu",), cpp_availability))
-RAGGED_ATTENTION.register(Backend("triton", _triton, triton_devices, triton_availability))
+RAGGED_ATTENTION.register(Backend("cpp", ragged_attention_cpp, ("cpu",), cpp_availability))
+RAGGED_ATTENTION.register(Backend("triton", ragged_attention_triton, triton_devices, triton_availability))
 RAGGED_ATTENTION.register(
     Backend("flash", ragged_attention_flash, ("cuda",), flash_availability, supports=flash_supports)
 )
 
 
-def random_layout(
-    bsz: int,
-    num_kv_heads: int,
-    group: int,
-    q_len: int,
-    head_dim: int,
-    lengths,
-    tail_len: int,
-    capacity: int | None = None,
-    dtype=torch.float32,
-    device="cpu",
-    seed: int = 0,
-):
-    """
-    Random inputs of :func:`ragged_attention`: ``lengths`` gives the context entries of each of the
-    ``bsz * num_kv_heads`` segments. Returns ``(query, keys, values, cu_seqlens, tail_keys, tail_values)``.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.as_tensor(list(lengths), dtype=torch.int64)
-    if lengths.numel() != bsz * num_kv_heads:
-        raise ValueError(f"{lengths.numel()} lengths for {bsz * num_kv_heads} segments")
-    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    cu[1:] = lengths.cumsum(0)
-    n = int(cu[-1])
-    capacity = tail_len if capacity is None else capacity
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
-
-    return (
-        rand(bsz, num_kv_heads * group, q_len, head_dim),
-        rand(n, head_dim),
-        rand(n, head_dim),
-        cu.to(device),
-        rand(bsz, num_kv_heads, capacity, head_dim),
-        rand(bsz, num_kv_heads, capacity, head_dim),
-    )
-
-
-def smoke_cases(device: torch.device, tokens: int) -> list[dict]:
-    """Every available backend of ``device`` against the reference on unequal heads (``benchmarks/gpu_smoke.py``)."""
-    import time
-
-    from kvpress_critical.ops.naive import ragged_attention_ref
-
-    rows = []
-    names = [n for n in RAGGED_ATTENTION.available(device) if n != "torch"] + ["torch"]
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for q_len in (1, 7):
-            lengths = [tokens, 0, 1, tokens // 3, 2 * tokens, 17]  # batch 3 x 2 KV heads, very unequal
-            inputs = random_layout(3, 2, 4, q_len, 128, lengths, tail_len=q_len + 5, capacity=q_len + 9, dtype=dtype)
-            ref = ragged_attention_ref(*inputs, tail_len=q_len + 5, scale=128**-0.5).double()
-            for name in names:
-                backend = RAGGED_ATTENTION[name]
-                if backend.refusal(inputs[0], inputs[1]) is not None:
-                    continue
-                moved = [t.to(device) for t in inputs]
-                start = time.perf_counter()
-                out = ragged_attention(*moved, tail_len=q_len + 5, scale=128**-0.5, backend=name)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                error = float((out.cpu().double() - ref).abs().max())
-                tol = ATTENTION_TOLERANCE[dtype]
-                rows.append(
-                    dict(
-                        op="ragged_attention",
-                        backend=name,
-                        dtype=str(dtype).replace("torch.", ""),
-                        q_len=q_len,
-                        max_abs_error=error,
-                        ok=bool(error <= tol[1] + tol[0] * float(ref.abs().max()) and not torch.isnan(out).any()),
-                        seconds=round(time.perf_counter() - start, 4),
-                    )
-                )
-    return rows
-
-
-#: Tolerances ``(rtol, atol)`` of an attention output against the float64 reference, per input dtype: inputs are
-#: exact in float32, so the error is float32 accumulation (~1e-6 relative) plus, for 16-bit outputs, the rounding
-#: of the result to the output dtype (half an ulp: 2^-9 for bf16, 2^-12 for fp16, relative to the output scale).
-ATTENTION_TOLERANCE = {
-    torch.float32: (1e-5, 1e-5),
-    torch.bfloat16: (2**-8, 2**-8),
-    torch.float16: (2**-10, 2**-10),
-}
+__all__ = [
+    "ATTENTION_TOLERANCE",
+    "AUTO_ORDER",
+    "CPU_MULTI_QUERY",
+    "RAGGED_ATTENTION",
+    "cu_seqlens_from_lengths",
+    "offsets_on",
+    "ragged_attention",
+    "ragged_attention_ref",
+    "random_layout",
+]

@@ -1,21 +1,25 @@
 """``projected_value_norm``: the one op of CriticalKV's scores, and the single place where its backend is chosen.
 
+The folder holds the op whole: :mod:`.naive` (the float64 reference and the error bound backends are tested
+within), :mod:`.torch_backend` (plain PyTorch, any device), :mod:`.cpp_backend` (the C++ extension on CPU),
+:mod:`.cuda_backend` (its CUDA kernels), :mod:`.triton_backend` with :mod:`.triton_kernel` (Triton), and this
+dispatch.
+
 Backends live in :data:`PROJECTED_NORM` (an :class:`~kvpress_critical.ops.registry.OpRegistry`) and are picked by
 :func:`projected_value_norm`: explicitly by name (an unavailable backend is an error that says how to get it), or
 ``"auto"``: the first available backend in :data:`AUTO_ORDER` for the tensor's device, with one warning when a
 preferred backend is missing. ``$KVPRESS_CRITICAL_BACKEND`` replaces ``"auto"``.
 """
 
-import logging
-
 import torch
 
-from kvpress_critical.ops.cpp_backend import cpp_availability, cuda_availability, projected_value_norm_ext
+from kvpress_critical.ops.extension import cpp_availability, cuda_availability
+from kvpress_critical.ops.projected_norm.cpp_backend import projected_value_norm_cpp
+from kvpress_critical.ops.projected_norm.cuda_backend import projected_value_norm_cuda
+from kvpress_critical.ops.projected_norm.naive import projected_value_norm_ref
+from kvpress_critical.ops.projected_norm.torch_backend import projected_value_norm_torch
 from kvpress_critical.ops.registry import Backend, BackendUnavailableError, OpRegistry
-from kvpress_critical.ops.torch_backend import projected_value_norm_torch
-from kvpress_critical.ops.triton_backend import projected_value_norm_triton, triton_availability, triton_devices
-
-logger = logging.getLogger(__name__)
+from kvpress_critical.ops.triton_utils import triton_availability, triton_devices
 
 NORMS = ("l1", "l2")
 
@@ -42,6 +46,7 @@ __all__ = [
     "available_backends",
     "check_backend_name",
     "projected_value_norm",
+    "projected_value_norm_ref",
     "register_backend",
     "registered_backends",
     "resolve_backend",
@@ -149,8 +154,17 @@ def projected_value_norm(
 register_backend(
     Backend(name="torch", fn=projected_value_norm_torch, devices=("cpu", "cuda"), availability=lambda: None)
 )
-register_backend(Backend(name="cpp", fn=projected_value_norm_ext, devices=("cpu",), availability=cpp_availability))
-register_backend(Backend(name="cuda", fn=projected_value_norm_ext, devices=("cuda",), availability=cuda_availability))
+
+
+def projected_value_norm_triton(values, o_proj_weight, num_attention_heads, norm="l1", out=None):
+    """The Triton backend (imports triton on first use: :mod:`.triton_backend`)."""
+    from kvpress_critical.ops.projected_norm.triton_backend import projected_value_norm_triton as triton_fn
+
+    return triton_fn(values, o_proj_weight, num_attention_heads, norm, out)
+
+
+register_backend(Backend(name="cpp", fn=projected_value_norm_cpp, devices=("cpu",), availability=cpp_availability))
+register_backend(Backend(name="cuda", fn=projected_value_norm_cuda, devices=("cuda",), availability=cuda_availability))
 register_backend(
     Backend(name="triton", fn=projected_value_norm_triton, devices=triton_devices, availability=triton_availability)
 )
