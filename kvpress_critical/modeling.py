@@ -10,6 +10,7 @@ import logging
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
+from transformers import Gemma3ForConditionalGeneration
 
 from kvpress_critical.norm_reuse import projected_norm_reusing
 from kvpress_critical.ops import projected_value_norm
@@ -43,7 +44,7 @@ def hooked_attention_modules(model: nn.Module) -> list[nn.Module]:
     ``Gemma3ForConditionalGeneration`` (kvpress's ``BasePress.__call__`` hooks only its global layers).
     """
     modules = attention_modules(model)
-    if type(model).__name__ == "Gemma3ForConditionalGeneration":
+    if isinstance(model, Gemma3ForConditionalGeneration):
         modules = [m for m in modules if not getattr(m, "is_sliding", False)]
     return modules
 

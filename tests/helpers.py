@@ -1,9 +1,9 @@
 """Shared test utilities: tiny config-built models and observing what a press keeps."""
 
 import torch
-from kvpress import AdaKVPress
 from transformers import DynamicCache
 
+from kvpress_critical.capabilities import capabilities
 from kvpress_critical.modeling import attention_modules
 
 
@@ -53,7 +53,7 @@ def kept_masks(model, input_ids, press, original=None):
     for layer, (orig, comp) in enumerate(zip(original, compressed)):
         module = attention_modules(model)[layer]
         idx = getattr(module, "masked_key_indices", None)
-        head_wise = isinstance(press, AdaKVPress) or type(press).__name__ == "CriticalAdaKVPress"
+        head_wise = capabilities(press).selection == "head-wise"
         if head_wise or (idx is not None and comp.shape == orig.shape):  # masking (also inside wrappers)
             mask = torch.ones(orig.shape[:3], dtype=torch.bool)
             if idx is not None:

@@ -64,14 +64,16 @@ def test_one_chunk_is_the_one_shot_compression(name):
 def after_each_chunk(monkeypatch):
     """Record, after every chunk's compression of every layer, what the layer holds: per head counts and positions."""
     records = []
-    real = ChunkedPrefillPress._after_chunk
+    real = ChunkedPrefillPress._after_layer
 
     def spy(self, module, args, kwargs, output):
         out = real(self, module, args, kwargs, output)
         layer = kwargs["past_key_values"].layers[module.layer_idx]
-        seen = self._seen
+        if self.chunk is None:
+            return out  # not a chunked prefill
+        seen = self.chunk[1]
         if seen == kwargs["hidden_states"].shape[1]:
-            return out  # the first chunk: compressed by the inner press's own hook (and compacted after this hook)
+            return out  # the first chunk: compacted by an outer CompactCachePress after this hook
         if isinstance(layer, CompactLayer):
             per_head = layer.segment_lengths()
             positions = [
@@ -83,7 +85,7 @@ def after_each_chunk(monkeypatch):
         records.append(dict(layer=module.layer_idx, seen=seen, per_head=per_head, positions=positions))
         return out
 
-    monkeypatch.setattr(ChunkedPrefillPress, "_after_chunk", spy)
+    monkeypatch.setattr(ChunkedPrefillPress, "_after_layer", spy)
     return records
 
 
@@ -201,7 +203,7 @@ def test_errors():
     press = ChunkedPrefillPress(CriticalKVPress(SnapKVPress(0.5)), chunk_size=512)
     press.compression_ratio = 0.25
     assert press.press.compression_ratio == 0.25 and "chunk_size=512" in repr(press)
-    assert chunked_prefill_press._scorers(press)[0].compression_ratio == 0.25
+    assert press.press.press.compression_ratio == 0.25  # the scorer holds the ratio
 
 
 def test_a_short_last_chunk_joins_the_one_before():
@@ -266,12 +268,16 @@ def test_masked_attention_is_the_masked_softmax():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["CriticalKV", "CriticalAdaKV", "CriticalHeadKV", "DefensiveKV"])
-@pytest.mark.parametrize("compact", [False, True], ids=["dense", "compact"])
+# DefensiveKV has no compact case: it is refused inside CompactCachePress (a clear error, test_errors)
+NORM_REUSE_CASES = [(n, False) for n in ("CriticalKV", "CriticalAdaKV", "CriticalHeadKV", "DefensiveKV")]
+NORM_REUSE_CASES += [(n, True) for n in ("CriticalKV", "CriticalAdaKV", "CriticalHeadKV")]
+
+
+@pytest.mark.parametrize(
+    "name, compact", NORM_REUSE_CASES, ids=[f"{'compact' if c else 'dense'}-{n}" for n, c in NORM_REUSE_CASES]
+)
 def test_projected_norms_are_computed_once_per_entry(monkeypatch, name, compact):
     """Reusing the norms of entries scored after an earlier chunk selects exactly what recomputing them selects."""
-    if compact and name == "DefensiveKV":
-        pytest.skip("refused inside CompactCachePress (a clear error, test_errors)")
     from kvpress_critical import norm_reuse
 
     model = tiny_model("qwen2")

@@ -18,6 +18,7 @@ from kvpress_critical.ops import extension as ext
 from kvpress_critical.ops.projected_norm import PROJECTED_NORM
 
 REPO = Path(__file__).resolve().parents[1]
+NAIVE = REPO / "kvpress_critical" / "ops" / "projected_norm" / "naive.py"
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,7 @@ def test_every_cpu_instruction_set_matches_the_reference(ops):
     # loads the library and the reference module by path: no package import (kvpress, transformers) per process
     script = (
         "import importlib.util, torch\n"
-        f"spec = importlib.util.spec_from_file_location('naive', {str(REPO / 'kvpress_critical/ops/projected_norm/naive.py')!r})\n"
+        f"spec = importlib.util.spec_from_file_location('naive', {str(NAIVE)!r})\n"
         "naive = importlib.util.module_from_spec(spec); spec.loader.exec_module(naive)\n"
         "projected_value_norm_ref = naive.projected_value_norm_ref\n"
         f"torch.ops.load_library({str(ext.extension_state().path)!r})\n"

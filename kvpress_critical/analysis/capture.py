@@ -22,6 +22,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from kvpress_critical.capabilities import capabilities
 from kvpress_critical.modeling import attention_modules, module_projected_norm
 from kvpress_critical.presses import CriticalAdaKVPress, CriticalHeadKVPress, CriticalKVPress
 from kvpress_critical.selection import compute_n_kept, critical_adakv_keep_mask, two_stage_keep_mask
@@ -198,7 +199,7 @@ def prefill_with_presses(
             module.masked_key_indices = None
     for name, press in presses.items():  # presses that select every layer at the end (Layer-DefensiveKV)
         chosen = getattr(press, "last_selection", None)
-        if getattr(press, "compresses_after_last_layer", False) and chosen:
+        if capabilities(press).selects_after_last_layer and chosen:
             for module, layer in zip(modules, selections[name].layers):
                 keep = chosen[module.layer_idx]
                 layer.keep = keep[0]

@@ -52,6 +52,17 @@ class CompactKV:
         return self.layer.device
 
 
+@dataclass
+class PaddedView:
+    """:meth:`CompactLayer.padded_view`: dense copies of a compact layer's entries, padded per head."""
+
+    keys: torch.Tensor  # (B, H_kv, L, d)
+    values: torch.Tensor  # (B, H_kv, L, d)
+    valid: torch.Tensor  # (B, H_kv, L) bool: False on the padding
+    positions: torch.Tensor  # (B, H_kv, L) int32 original positions (-1 on the padding)
+    packed: torch.Tensor  # (B, H_kv, width) bool: where the packed entries went (the first ``width`` slots)
+
+
 class LogicalView:
     """
     The ``keys`` / ``values`` attribute of a :class:`CompactLayer`: its logical shape, sliceable along the sequence.
@@ -98,7 +109,7 @@ class LogicalView:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         raise TypeError(
             f"{func.__name__} on a CompactLayer's keys/values: the layer has no dense tensor (kvpress-critical's "
-            "compact layout). Use layer.segments() or layer.dense() (a padded copy) to read it."
+            "compact layout). Use layer.segments() or layer.padded_view() (a padded copy) to read it."
         )
 
     def __repr__(self):
@@ -295,22 +306,32 @@ class CompactLayer(CacheLayerMixin):
         data = 2 * (self.packed_keys.numel() + tail.numel()) * element
         return data + self.cu_seqlens.numel() * 8 + self.positions.numel() * 4
 
-    def dense(self, fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A padded dense copy ``(keys, values, valid)`` of shape ``(B, H_kv, max_len + tail, d)`` (for tests)."""
-        width = self.max_seqlen + self.tail_len
-        shape = (self.batch_size, self.num_kv_heads, width, self.head_dim)
-        k = torch.full(shape, fill, dtype=self.dtype, device=self.device)
-        v = torch.full(shape, fill, dtype=self.dtype, device=self.device)
-        valid = torch.zeros(shape[:3], dtype=torch.bool, device=self.device)
-        for b in range(self.batch_size):
-            for h in range(self.num_kv_heads):
-                sk, sv, _ = self.segments(b, h)
-                n = sk.shape[0]
-                k[b, h, :n], v[b, h, :n], valid[b, h, :n] = sk, sv, True
-                k[b, h, n : n + self.tail_len] = self.tail_keys[b, h, : self.tail_len]
-                v[b, h, n : n + self.tail_len] = self.tail_values[b, h, : self.tail_len]
-                valid[b, h, n : n + self.tail_len] = True
-        return k, v, valid
+    def padded_view(self, tail_positions: torch.Tensor | None = None) -> PaddedView:
+        """
+        A dense copy of the layer, ``(B, H_kv, width + tail_len, d)``: each head's packed entries first (their
+        original order), padding up to the longest head (``width`` entries), then the tail, so that the newest
+        tokens are the last entries as every scorer expects. ``tail_positions`` (``(tail_len,)``) are the tail's
+        positions (default: after ``context_length``).
+        """
+        bsz, num_kv_heads, d = self.batch_size, self.num_kv_heads, self.head_dim
+        lengths = self.segment_lengths()  # (B, H_kv)
+        width, tail = self.max_seqlen, self.tail_len
+        keys = torch.zeros(bsz, num_kv_heads, width + tail, d, dtype=self.dtype, device=self.device)
+        values = torch.zeros_like(keys)
+        slot = torch.arange(width, device=self.device).expand(bsz, num_kv_heads, width)
+        packed = slot < lengths.to(self.device).unsqueeze(-1)  # (B, H_kv, width): where the packed entries go
+        keys[:, :, :width][packed] = self.packed_keys
+        values[:, :, :width][packed] = self.packed_values
+        keys[:, :, width:] = self.tail_keys[:, :, :tail]
+        values[:, :, width:] = self.tail_values[:, :, :tail]
+        if tail_positions is None:
+            tail_positions = torch.arange(self.context_length, self.context_length + tail, dtype=torch.int32)
+        positions = torch.full((bsz, num_kv_heads, width + tail), -1, dtype=torch.int32, device=self.device)
+        positions[:, :, :width][packed] = self.positions
+        positions[:, :, width:] = tail_positions.to(device=self.device, dtype=torch.int32)
+        valid = torch.ones(bsz, num_kv_heads, width + tail, dtype=torch.bool, device=self.device)
+        valid[:, :, :width] = packed
+        return PaddedView(keys, values, valid, positions, packed)
 
     def __repr__(self):
         return (

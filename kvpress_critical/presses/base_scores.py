@@ -1,9 +1,12 @@
-"""The base score ``A`` of CriticalKV: the inner press's scores, checked and in float32."""
+"""The base score ``A`` of CriticalKV: the inner press's scores, checked, in float32, exclusions at ``-inf``."""
 
 import logging
 
 import torch
 from kvpress import ScorerPress, SnapKVPress
+
+from kvpress_critical.presses.exclusion import excluded_entries, mask_excluded
+from kvpress_critical.presses.window_attention import window_attention
 
 logger = logging.getLogger(__name__)
 
@@ -17,6 +20,11 @@ def base_scores(press: ScorerPress, module, hidden_states, keys, values, attenti
     SnapKV scores every entry of its observation window (the last ``window_size`` tokens) with the same
     top score. When the context is not longer than the window, every entry is in it, so the scores are
     uniform (kvpress's SnapKVPress asserts instead): CriticalKV then ranks by the projected-value norm.
+
+    Entries a chunked prefill excludes (:mod:`~kvpress_critical.presses.exclusion`: evicted after an earlier chunk,
+    padding of the compact layout's view) get ``-inf``; SnapKV's window attention gives them no weight: it is computed
+    here with the exclusions (:func:`~kvpress_critical.presses.window_attention.window_attention`) and handed to
+    SnapKV's own ``score`` as the ``attentions`` it reads when the model's are given.
 
     The result is always contiguous, whatever strides the scorer returns (KVzap's scores are a transposed
     view): every selection function downstream may reshape it freely.
@@ -32,11 +40,17 @@ def base_scores(press: ScorerPress, module, hidden_states, keys, values, attenti
                 type(press).__name__,
                 press.window_size,
             )
-        return torch.ones(keys.shape[:3], dtype=torch.float32, device=keys.device)
+        return mask_excluded(torch.ones(keys.shape[:3], dtype=torch.float32, device=keys.device))
+    if isinstance(press, SnapKVPress) and excluded_entries() is not None:
+        window = press.window_size
+        weights = window_attention(module, hidden_states, keys, window, kwargs["position_embeddings"], attentions)
+        bsz, num_kv_heads, group, _, k_len = weights.shape
+        # as kvpress's own window attention: probabilities in the keys' dtype, one row per query head and window query
+        attentions = weights.reshape(bsz, num_kv_heads * group, window, k_len).to(keys.dtype)
     scores = press.score(module, hidden_states, keys, values, attentions, kwargs)
     if scores.shape != keys.shape[:3]:
         raise ValueError(
             f"{type(press).__name__}.score returned shape {tuple(scores.shape)}, expected "
             f"(batch, kv_heads, k_len) = {tuple(keys.shape[:3])}"
         )
-    return scores.float().contiguous()
+    return mask_excluded(scores.float().contiguous())

@@ -1,43 +1,18 @@
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
-from kvpress import BasePress, DecodingPress, KeyRerotationPress, PrefillDecodingPress
+from kvpress import BasePress
 from kvpress.presses.base_press import is_prefilling
 
 from kvpress_critical.cache import DEFAULT_RESERVE, CompactLayer, compact_layer, install_attention, is_sliding_layer
+from kvpress_critical.capabilities import Capabilities, capabilities, compact_refusal, nested_presses
 from kvpress_critical.modeling import decoder, hooked_attention_modules
-from kvpress_critical.presses.checks import nested_presses
 from kvpress_critical.presses.inner_press import InnerPressMixin
 
 logger = logging.getLogger(__name__)
-
-
-def _unsupported_inside_compact(press) -> str | None:
-    """Why ``press`` cannot run inside CompactCachePress (None: it can)."""
-    if isinstance(press, DecodingPress) or (
-        isinstance(press, PrefillDecodingPress) and press.decoding_press is not None
-    ):
-        return (
-            "it compresses during decoding, and the compact layout is built once, after the prefill; "
-            "use it without CompactCachePress (masking layout)"
-        )
-    if getattr(press, "decoding", False) is True:  # DMSPress(decoding=True)
-        return "its decoding compression needs the dense layout; use decoding=False or no CompactCachePress"
-    if isinstance(press, KeyRerotationPress) or getattr(press, "rerotate_keys", False):
-        return (
-            "kvpress's pipeline re-positions the question after re-rotated keys only when the outermost press "
-            "re-rotates; use it without CompactCachePress"
-        )
-    own_call = type(press).__call__ is not BasePress.__call__ and not isinstance(press, PrefillDecodingPress)
-    if own_call and not getattr(type(press), "compact_compatible", False):
-        return (
-            "it drives the model with its own __call__ (e.g. compresses after the prefill, as KVzip, or replaces the "
-            "model's forward), while CompactCachePress compacts each layer as soon as the per-layer hooks "
-            "compressed it; use it without CompactCachePress"
-        )
-    return None
 
 
 @dataclass
@@ -75,6 +50,8 @@ class CompactCachePress(InnerPressMixin, BasePress):
         Tail capacity (tokens per head) reserved at compaction for the question and the answer.
     """
 
+    capabilities: ClassVar[Capabilities] = Capabilities(selection="wrapper", changes_layout=True)
+
     press: BasePress = None
     reserve: int = DEFAULT_RESERVE
 
@@ -82,21 +59,9 @@ class CompactCachePress(InnerPressMixin, BasePress):
         if not isinstance(self.press, BasePress):
             raise TypeError(f"CompactCachePress wraps a kvpress press, e.g. CompactCachePress(CriticalAdaKVPress("
                             f"SnapKVPress(0.5))); got {type(self.press).__name__}")  # fmt: skip
-        if isinstance(self.press, CompactCachePress):
-            raise TypeError("CompactCachePress wraps a press once: pass its inner press directly")
-        for inner in nested_presses(self.press):
-            problem = _unsupported_inside_compact(inner)
-            if problem:
-                raise TypeError(f"CompactCachePress does not support {type(inner).__name__}: {problem}")
-        inner = getattr(self.press, "press", None)
-        if getattr(type(self.press), "compact_compatible", False) and getattr(
-            inner, "applies_defensive_normalisation", False
-        ):
-            raise TypeError(
-                f"CompactCachePress({type(self.press).__name__}({type(inner).__name__}(...))): DefensiveKV normalises "
-                "projected norms across heads entry by entry, which needs the aligned dense layout between chunks; "
-                f"use {type(self.press).__name__}({type(inner).__name__}(...)) without CompactCachePress"
-            )
+        refusal = compact_refusal(self.press)
+        if refusal is not None:
+            raise TypeError(f"CompactCachePress does not support {refusal}")
         if not isinstance(self.reserve, int) or self.reserve < 1:
             raise ValueError(f"reserve must be a positive number of tokens, got {self.reserve!r}")
 
@@ -131,7 +96,7 @@ class CompactCachePress(InnerPressMixin, BasePress):
             )
         # a press that compresses every layer only once the last one is scored (Layer-DefensiveKV) sets its masks
         # after the per-layer hooks ran: its layers are compacted when the whole forward pass has ended
-        deferred = bool(getattr(self.press, "compresses_after_last_layer", False))
+        deferred = any(capabilities(p).selects_after_last_layer for p in nested_presses(self.press))
         pending: list = []
 
         def layer_hook(module, args, kwargs, output):

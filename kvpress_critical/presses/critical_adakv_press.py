@@ -1,4 +1,3 @@
-import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -6,14 +5,13 @@ import torch
 from kvpress import AdaKVPress, ScorerPress
 from torch import nn
 
+from kvpress_critical.capabilities import Capabilities
 from kvpress_critical.modeling import check_attention_supports_masking, module_projected_norm
 from kvpress_critical.presses.base_scores import base_scores
 from kvpress_critical.presses.checks import check_common, check_fraction
 from kvpress_critical.presses.inner_press import InnerPressMixin
 from kvpress_critical.presses.masking import set_masked_key_indices
 from kvpress_critical.selection import compute_n_kept, critical_adakv_keep_mask
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,7 +49,9 @@ class CriticalAdaKVPress(InnerPressMixin, AdaKVPress):
         Backend of :func:`kvpress_critical.projected_value_norm`.
     """
 
-    applies_criticalkv: ClassVar[bool] = True  # see presses.checks.applies_criticalkv
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        selection="head-wise", budgeted=True, applies_criticalkv=True, scores_exclusions=True
+    )
 
     press: ScorerPress = None
     alpha_safeguard: float = 0.2
@@ -68,6 +68,16 @@ class CriticalAdaKVPress(InnerPressMixin, AdaKVPress):
         check_attention_supports_masking(model.config, type(self).__name__)
         super().post_init_from_model(model)
 
+    def keep_mask(self, module, hidden_states, keys, values, attentions, kwargs, n_kept: int) -> torch.Tensor:
+        """``(B, H_kv, T)`` bool: AdaKV's budgets for ``n_kept`` per head on average, Algorithm 1 inside each head."""
+        check_attention_supports_masking(module.config, type(self).__name__)
+        scores = base_scores(self.press, module, hidden_states, keys, values, attentions, kwargs)
+        projected_norm = module_projected_norm(module, values, self.norm, self.backend)
+        keep, _, _ = critical_adakv_keep_mask(
+            scores, projected_norm, n_kept, self.alpha_safeguard, self.first_stage_ratio, self.epsilon
+        )
+        return keep
+
     def compress(
         self,
         module: nn.Module,
@@ -79,15 +89,8 @@ class CriticalAdaKVPress(InnerPressMixin, AdaKVPress):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.compression_ratio == 0:
             return keys, values
-        check_attention_supports_masking(module.config, type(self).__name__)
-
-        scores = base_scores(self.press, module, hidden_states, keys, values, attentions, kwargs)
-        bsz, num_kv_heads, k_len = scores.shape
+        bsz, num_kv_heads, k_len, _ = keys.shape
         n_kept = compute_n_kept(k_len, self.compression_ratio)
-        projected_norm = module_projected_norm(module, values, self.norm, self.backend)
-        keep, _, _ = critical_adakv_keep_mask(
-            scores, projected_norm, n_kept, self.alpha_safeguard, self.first_stage_ratio, self.epsilon
-        )
-
+        keep = self.keep_mask(module, hidden_states, keys, values, attentions, kwargs, n_kept)
         set_masked_key_indices(module, keep, num_kv_heads * (k_len - n_kept))
         return keys, values

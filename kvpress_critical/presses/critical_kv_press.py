@@ -1,4 +1,3 @@
-import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -6,13 +5,12 @@ import torch
 from kvpress import ScorerPress
 from torch import nn
 
+from kvpress_critical.capabilities import Capabilities
 from kvpress_critical.modeling import module_projected_norm
 from kvpress_critical.presses.base_scores import base_scores
 from kvpress_critical.presses.checks import check_common
 from kvpress_critical.presses.inner_press import InnerPressMixin
-from kvpress_critical.selection import compute_n_kept, critical_scores, first_stage_budget
-
-logger = logging.getLogger(__name__)
+from kvpress_critical.selection import compute_n_kept, critical_scores, first_stage_budget, top_budget_mask
 
 
 @dataclass(init=False)
@@ -50,7 +48,9 @@ class CriticalKVPress(InnerPressMixin, ScorerPress):
         If given, set on the inner press (convenience; the inner press's own value is used otherwise).
     """
 
-    applies_criticalkv: ClassVar[bool] = True  # see presses.checks.applies_criticalkv
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        selection="pruning", budgeted=True, applies_criticalkv=True, scores_exclusions=True
+    )
 
     press: ScorerPress = None
     epsilon: float = 1e-4
@@ -79,6 +79,13 @@ class CriticalKVPress(InnerPressMixin, ScorerPress):
     def __post_init__(self):
         check_common(self.press, type(self).__name__, self.epsilon, self.first_stage_ratio, self.norm, self.backend)
 
+    def critical_scores(self, module, hidden_states, keys, values, attentions, kwargs, n_kept: int) -> torch.Tensor:
+        """``(B, H_kv, T)`` float32 scores whose per-head top ``n_kept`` is Algorithm 1 with a budget of ``n_kept``."""
+        scores = base_scores(self.press, module, hidden_states, keys, values, attentions, kwargs)
+        n_first = first_stage_budget(n_kept, self.first_stage_ratio)
+        projected_norm = module_projected_norm(module, values, self.norm, self.backend)
+        return critical_scores(scores, projected_norm, n_first, self.epsilon)
+
     def score(
         self,
         module: nn.Module,
@@ -88,8 +95,10 @@ class CriticalKVPress(InnerPressMixin, ScorerPress):
         attentions: torch.Tensor,
         kwargs: dict,
     ) -> torch.Tensor:
-        scores = base_scores(self.press, module, hidden_states, keys, values, attentions, kwargs)
         n_kept = compute_n_kept(keys.shape[2], self.compression_ratio)
-        n_first = first_stage_budget(n_kept, self.first_stage_ratio)
-        projected_norm = module_projected_norm(module, values, self.norm, self.backend)
-        return critical_scores(scores, projected_norm, n_first, self.epsilon)
+        return self.critical_scores(module, hidden_states, keys, values, attentions, kwargs, n_kept)
+
+    def keep_mask(self, module, hidden_states, keys, values, attentions, kwargs, n_kept: int) -> torch.Tensor:
+        """``(B, H_kv, T)`` bool: the ``n_kept`` entries of each head Algorithm 1 keeps (an explicit budget)."""
+        scores = self.critical_scores(module, hidden_states, keys, values, attentions, kwargs, n_kept)
+        return top_budget_mask(scores, torch.full(scores.shape[:2], n_kept, device=scores.device))

@@ -1,12 +1,12 @@
-import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from kvpress import BasePress
 from torch import nn
 
-from kvpress_critical.modeling import check_attention_supports_masking, hooked_attention_modules, module_projected_norm
+from kvpress_critical.capabilities import Capabilities
+from kvpress_critical.modeling import check_attention_supports_masking, module_projected_norm
 from kvpress_critical.ops import NORMS
 from kvpress_critical.ops.projected_norm import check_backend_name
 from kvpress_critical.presses.checks import check_fraction, check_ratio
@@ -14,8 +14,6 @@ from kvpress_critical.presses.exclusion import excluded_entries, mask_excluded
 from kvpress_critical.presses.masking import set_masked_key_indices
 from kvpress_critical.presses.window_attention import window_attention
 from kvpress_critical.selection import compute_n_kept, defensive_scores, global_top_mask
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,9 +51,13 @@ class DefensiveKVPress(BasePress):
     backend : str, default="auto"
     """
 
-    applies_criticalkv: ClassVar[bool] = True
-    applies_defensive_normalisation: ClassVar[bool] = True  # per-entry normalisation across heads (aligned layout)
-    compresses_after_last_layer: ClassVar[bool] = False
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        selection="head-wise",
+        budgeted=True,
+        applies_criticalkv=True,
+        normalises_across_heads=True,
+        scores_exclusions=True,
+    )
 
     compression_ratio: float = 0.0
     window_size: int = 32
@@ -80,94 +82,33 @@ class DefensiveKVPress(BasePress):
     def post_init_from_model(self, model):
         check_attention_supports_masking(model.config, type(self).__name__)
 
-    def layer_scores(self, module: nn.Module, hidden_states, keys, values, attentions, kwargs):
-        """``(scores (B, H_kv, T) float32, n_kept)`` of one layer (forced entries at ``finfo(float32).max``)."""
+    def layer_scores(self, module: nn.Module, hidden_states, keys, values, attentions, kwargs, n_kept: int):
+        """``(B, H_kv, T)`` float32 scores of one layer for ``n_kept`` entries per head on average (forced entries,
+        stage 1 and the window, at ``finfo(float32).max``)."""
         k_len = keys.shape[2]
         window = self.window_size if k_len > self.window_size else max(1, k_len // 2)
         attention = window_attention(module, hidden_states, keys, window, kwargs["position_embeddings"], attentions)
-        n_kept = compute_n_kept(k_len, self.compression_ratio)
         projected_norm = module_projected_norm(module, values, self.norm, self.backend)
         excluded = excluded_entries()  # (chunked prefill) evicted entries
         if excluded is not None and excluded.shape != projected_norm.shape:
             excluded = None
         scores, _ = defensive_scores(attention, projected_norm, n_kept, self.kernel_size, self.mass, excluded)
-        return mask_excluded(scores), n_kept
+        return mask_excluded(scores)
+
+    def keep_mask(self, module, hidden_states, keys, values, attentions, kwargs, n_kept: int) -> torch.Tensor:
+        """``(B, H_kv, T)`` bool: one top-``n_kept * H_kv`` over the layer's KV heads (an explicit budget)."""
+        check_attention_supports_masking(module.config, type(self).__name__)
+        scores = self.layer_scores(module, hidden_states, keys, values, attentions, kwargs, n_kept)
+        return global_top_mask(scores, n_kept * scores.shape[1])
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         if self.compression_ratio == 0:
             return keys, values
-        check_attention_supports_masking(module.config, type(self).__name__)
-        scores, n_kept = self.layer_scores(module, hidden_states, keys, values, attentions, kwargs)
-        _, num_kv_heads, k_len = scores.shape
-        keep = global_top_mask(scores, n_kept * num_kv_heads)  # one top-k over the layer's KV heads
+        _, num_kv_heads, k_len, _ = keys.shape
+        n_kept = compute_n_kept(k_len, self.compression_ratio)
+        keep = self.keep_mask(module, hidden_states, keys, values, attentions, kwargs, n_kept)
         set_masked_key_indices(module, keep, num_kv_heads * (k_len - n_kept))
         return keys, values
 
 
-@dataclass
-class LayerDefensiveKVPress(DefensiveKVPress):
-    """
-    Layer-DefensiveKV: DefensiveKV's scores, with one budget shared by all layers and heads.
-
-    Every layer is scored during the prefill as :class:`DefensiveKVPress` does, but nothing is compressed until the
-    last layer has been scored: then one top-``n_kept * H_kv * n_layers`` per batch row over every layer's and head's
-    scores decides what each layer keeps (the forced entries of every layer, first stage and window, always fit).
-    Layers therefore keep different totals; the overall budget is exactly the press's. The selection is recorded as
-    ``masked_key_indices`` on every layer at once (or compacted by :class:`~kvpress_critical.CompactCachePress` after
-    the prefill).
-
-    Based on DefensiveKV (Feng et al., ICLR 2026).
-
-    Parameters
-    ----------
-    As :class:`DefensiveKVPress`.
-    """
-
-    compresses_after_last_layer: ClassVar[bool] = True
-
-    _modules: list = field(default_factory=list, init=False, repr=False, compare=False)
-    _pending: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    last_selection: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # layer -> keep mask
-
-    def post_init_from_model(self, model):
-        super().post_init_from_model(model)
-        self._modules = hooked_attention_modules(model)  # the layers kvpress's hooks call
-        self._pending = {}
-
-    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
-        if self.compression_ratio == 0:
-            return keys, values
-        check_attention_supports_masking(module.config, type(self).__name__)
-        if not self._modules:
-            raise RuntimeError(
-                "LayerDefensiveKVPress needs to know the model's layers: use it through `with press(model)` or "
-                "kvpress's pipeline (they call post_init_from_model)"
-            )
-        if module is self._modules[0]:
-            self._pending = {}  # a new prefill
-        scores, n_kept = self.layer_scores(module, hidden_states, keys, values, attentions, kwargs)
-        self._pending[module.layer_idx] = (module, scores, n_kept)
-        module.masked_key_indices = None
-        if module is self._modules[-1]:
-            self._select_all()
-        return keys, values
-
-    def _select_all(self) -> None:
-        entries = [self._pending[m.layer_idx] for m in self._modules if m.layer_idx in self._pending]
-        self._pending = {}
-        lengths = {scores.shape[-1] for _, scores, _ in entries}
-        if len(lengths) != 1:
-            raise RuntimeError(f"Layer-DefensiveKV needs the same context length in every layer, got {sorted(lengths)}")
-        stacked = torch.stack([scores for _, scores, _ in entries], dim=1)  # (B, L, H_kv, T)
-        n_total = sum(n_kept * scores.shape[1] for _, scores, n_kept in entries)
-        keep = global_top_mask(stacked, n_total)
-        self.last_selection = {module.layer_idx: keep[:, i] for i, (module, _, _) in enumerate(entries)}
-        for index, (module, _, _) in enumerate(entries):
-            layer_keep = keep[:, index]
-            if bool((layer_keep.sum((1, 2)) == layer_keep[0].sum()).all()):  # same count in every row
-                set_masked_key_indices(module, layer_keep, layer_keep[0].numel() - int(layer_keep[0].sum()))
-            else:
-                module.masked_key_indices = tuple((~layer_keep).nonzero(as_tuple=True))
-
-
-__all__ = ["DefensiveKVPress", "LayerDefensiveKVPress"]
+__all__ = ["DefensiveKVPress"]
