@@ -38,7 +38,7 @@ import yaml
 
 from evaluation.paired import paired_samples
 from evaluation.quality import quality_comparisons, quality_markdown, quality_plot, quality_samples, quality_summary
-from evaluation.registry import BASELINE, CRITICAL_BASES
+from evaluation.registry import BASELINE, critical_base
 from evaluation.report import markdown_tables, plot
 from evaluation.tasks import KEYS, LONGBENCH_DOMAINS, task_order
 from evaluation.worker import NON_RESULT_DIRS
@@ -189,7 +189,7 @@ def critical_vs_base(summary: pd.DataFrame, paired: pd.DataFrame | None = None) 
         return pd.DataFrame()
     index = summary.set_index(KEYS)
     for (model, benchmark, press, ratio), row in index.iterrows():
-        base = CRITICAL_BASES.get(press)
+        base = critical_base(press)
         if base is None or (model, benchmark, base, ratio) not in index.index:
             continue
         base_row = index.loc[(model, benchmark, base, ratio)]

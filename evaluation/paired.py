@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from evaluation.registry import CRITICAL_BASES
+from evaluation.registry import critical_base
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def paired_samples(runs: list[dict]) -> pd.DataFrame:
     by_key = {(r["model"], r["benchmark"], r["press"], r["compression_ratio"]): r for r in runs}
     rows = []
     for (model, benchmark, press, ratio), run in by_key.items():
-        base = CRITICAL_BASES.get(press)
+        base = critical_base(press)
         base_run = by_key.get((model, benchmark, base, ratio))
         if base_run is None or run["per_task_runs"]:
             continue

@@ -10,7 +10,7 @@ joined on ``context_id`` and ``task``):
 - ``kl``: mean per-token ``KL(p_full || p_compressed)`` over the target tokens.
 
 ``quality.csv``: means per model, benchmark, press and ratio, with sample and context counts.
-``quality_comparisons.csv``: each press next to its base (``evaluation.registry.CRITICAL_BASES``; DefensiveKV next to
+``quality_comparisons.csv``: each press next to its base (``evaluation.registry.comparison_pairs``; DefensiveKV next to
 CriticalAdaKV and Layer-DefensiveKV next to DefensiveKV, ``FOLLOW_UPS``) on the same
 samples: the relative reduction of the NLL loss and of the KL (``1 - critical / base``) and the change of string
 match, each with a 95% paired cluster-bootstrap interval (contexts resampled; ``evaluation.bootstrap``).
@@ -28,7 +28,7 @@ import pandas as pd
 
 from evaluation.bootstrap import mean_difference, paired_bootstrap, relative_reduction
 from evaluation.paired import sample_matches
-from evaluation.registry import BASELINE, CRITICAL_BASES, FOLLOW_UPS
+from evaluation.registry import BASELINE, comparison_pairs, critical_base
 from evaluation.worker import LIKELIHOOD_FILE
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def quality_comparisons(samples: pd.DataFrame, n_resamples: int = 2000, pairs: d
     """Each press next to its base at every model, benchmark and ratio, with paired cluster-bootstrap intervals."""
     if samples.empty:
         return pd.DataFrame()
-    pairs = {**CRITICAL_BASES, **FOLLOW_UPS} if pairs is None else pairs
+    pairs = comparison_pairs(samples["press"].unique()) if pairs is None else pairs
     rows = []
     cells = samples[["model", "benchmark", "compression_ratio"]].drop_duplicates().itertuples(index=False)
     for model, benchmark, ratio in cells:
@@ -222,7 +222,7 @@ def quality_plot(summary: pd.DataFrame, folder: Path) -> list[Path]:
         fig, axes = plt.subplots(1, 3, figsize=(13, 4))
         for press in sorted(set(group["press"]) - {BASELINE}):
             rows = group[group["press"] == press].sort_values("cache_size")
-            style = "-" if press in CRITICAL_BASES else "--"
+            style = "-" if critical_base(press) is not None else "--"
             for ax, column in zip(axes, ("nll_loss", "kl", "string_match")):
                 ax.plot(rows["cache_size"], rows[column], style, marker="o", label=press)
         full = group[group["press"] == BASELINE]

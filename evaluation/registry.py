@@ -8,7 +8,9 @@ to the registry's dictionaries, so entries must be added to those very dictionar
 The names below match kvpress's registry for the presses kvpress already has (``critical_snapkv``, ...):
 ours replace them, and kvpress's built-in versions stay reachable with a ``kvpress_`` prefix
 (``kvpress_critical_snapkv``...) for side-by-side comparisons. This module imports kvpress only when
-``register`` or ``our_presses`` is called, so the aggregation can use ``CRITICAL_BASES`` without it.
+``register`` or ``our_presses`` is called, so the aggregation can pair presses (:func:`critical_base`) without it.
+Nothing here changes after import: the pairs are constants, their variants (L2, compact, chunked, kvpress's own) are
+resolved from the names.
 """
 
 from __future__ import annotations
@@ -17,41 +19,31 @@ import copy
 import logging
 import os
 import re
-from types import ModuleType
+from types import MappingProxyType, ModuleType
 
 logger = logging.getLogger(__name__)
 
 BUILTIN_PREFIX = "kvpress_"
+COMPACT_SUFFIX = "_compact"
+L2_SUFFIX = "_l2"
+BASELINE = "no_press"
+# chunked prefill (ChunkedPrefillPress): any registered press with the chunk size in its name, registered on demand
+CHUNKED = re.compile(r"^(?P<base>.+)_chunk(?P<size>\d+)$")
 
-# critical press -> the press it should be compared against (same base scores, no CriticalKV selection)
-CRITICAL_BASES = {
-    "critical_snapkv": "snapkv",
-    "critical_adakv_snapkv": "adakv_snapkv",
-    "critical_headkv_snapkv": "headkv_snapkv",
-    "critical_expected_attention": "expected_attention_no_vnorm",
-    "critical_adakv_expected_attention": "adakv_expected_attention_no_vnorm",
-    "critical_headkv_expected_attention": "headkv_expected_attention_no_vnorm",
-}
-CRITICAL_BASES.update({f"{name}_l2": base for name, base in list(CRITICAL_BASES.items())})
-CRITICAL_BASES.update(
+# critical press -> the press it is compared against (same base scores, no CriticalKV selection); the L2, compact,
+# chunked and kvpress-built-in variants follow from these by name (critical_base)
+CRITICAL_BASES = MappingProxyType(
     {
-        f"{BUILTIN_PREFIX}{name}": base
-        for name, base in list(CRITICAL_BASES.items())
-        if not name.endswith("_l2") and "headkv" not in name  # kvpress has no HeadKV press
+        "critical_snapkv": "snapkv",
+        "critical_adakv_snapkv": "adakv_snapkv",
+        "critical_headkv_snapkv": "headkv_snapkv",
+        "critical_expected_attention": "expected_attention_no_vnorm",
+        "critical_adakv_expected_attention": "adakv_expected_attention_no_vnorm",
+        "critical_headkv_expected_attention": "headkv_expected_attention_no_vnorm",
     }
 )
 # the authors' follow-up, compared with the press it improves on (the quality benchmark's paired comparisons)
-FOLLOW_UPS = {"defensivekv": "critical_adakv_snapkv", "layer_defensivekv": "defensivekv"}
-# head-wise presses with the compact layout (CompactCachePress): same selections, memory freed
-HEAD_WISE = ("adakv_snapkv", "critical_adakv_snapkv", "headkv_snapkv", "critical_headkv_snapkv")
-HEAD_WISE += ("defensivekv", "layer_defensivekv")
-COMPACT_SUFFIX = "_compact"
-CRITICAL_BASES.update(
-    {name + COMPACT_SUFFIX: CRITICAL_BASES[name] + COMPACT_SUFFIX for name in HEAD_WISE if name in CRITICAL_BASES}
-)
-FOLLOW_UPS.update({f"{name}{COMPACT_SUFFIX}": f"{base}{COMPACT_SUFFIX}" for name, base in list(FOLLOW_UPS.items())})
-# chunked prefill (ChunkedPrefillPress): any registered press with the chunk size in its name, registered on demand
-CHUNKED = re.compile(r"^(?P<base>.+)_chunk(?P<size>\d+)$")
+FOLLOW_UPS = MappingProxyType({"defensivekv": "critical_adakv_snapkv", "layer_defensivekv": "defensivekv"})
 
 
 def chunked_name(name: str, chunk_size: int) -> str:
@@ -59,7 +51,40 @@ def chunked_name(name: str, chunk_size: int) -> str:
     return f"{name}_chunk{chunk_size}"
 
 
-BASELINE = "no_press"
+def _paired(name: str, pairs, variants: bool) -> str | None:
+    match = CHUNKED.match(name)
+    if match is not None:
+        base = _paired(match["base"], pairs, variants)
+        return None if base is None else chunked_name(base, int(match["size"]))
+    if name.endswith(COMPACT_SUFFIX):
+        base = _paired(name.removesuffix(COMPACT_SUFFIX), pairs, variants)
+        return None if base is None else base + COMPACT_SUFFIX
+    if variants and name.startswith(BUILTIN_PREFIX):  # kvpress's own critical presses (no L2, no HeadKV)
+        stem = name.removeprefix(BUILTIN_PREFIX)
+        return None if stem.endswith(L2_SUFFIX) or "headkv" in stem else pairs.get(stem)
+    if variants and name.endswith(L2_SUFFIX):
+        return pairs.get(name.removesuffix(L2_SUFFIX))
+    return pairs.get(name)
+
+
+def critical_base(name: str) -> str | None:
+    """The press a CriticalKV press ``name`` is compared against (None: ``name`` is not a critical press)."""
+    return _paired(name, CRITICAL_BASES, variants=True)
+
+
+def follow_up_base(name: str) -> str | None:
+    """The press a follow-up press (DefensiveKV, Layer-DefensiveKV) is compared against, or None."""
+    return _paired(name, FOLLOW_UPS, variants=False)
+
+
+def comparison_pairs(names) -> dict[str, str]:
+    """``{press: the press it is compared against}`` for the presses among ``names`` that have one."""
+    pairs = {}
+    for name in names:
+        base = critical_base(name) or follow_up_base(name)
+        if base is not None and name != BASELINE:
+            pairs[name] = base
+    return pairs
 
 
 def our_presses() -> dict:
@@ -75,6 +100,7 @@ def our_presses() -> dict:
         HeadKVPress,
         LayerDefensiveKVPress,
     )
+    from kvpress_critical.capabilities import supports_compact
 
     presses = {
         "snapkv": SnapKVPress(),
@@ -101,8 +127,11 @@ def our_presses() -> dict:
         presses[f"critical_headkv_expected_attention{suffix}"] = CriticalHeadKVPress(
             ExpectedAttentionPress(use_vnorm=False), norm=norm
         )
-    for name in HEAD_WISE:  # fresh inner presses: registry entries are singletons whose ratio the runner sets
-        presses[f"{name}{COMPACT_SUFFIX}"] = CompactCachePress(copy.deepcopy(presses[name]))
+    # a compact variant of every press whose selection the compact layout frees (head-wise presses); fresh inner
+    # presses: registry entries are singletons whose ratio the runner sets
+    for name, press in list(presses.items()):
+        if supports_compact(press):
+            presses[f"{name}{COMPACT_SUFFIX}"] = CompactCachePress(copy.deepcopy(press))
     return presses
 
 
@@ -110,7 +139,7 @@ def ensure_press(registry: ModuleType, name: str) -> bool:
     """
     Whether ``name`` is in kvpress's registry, after registering it if it is a chunked variant of a registered press
     (``<press>_chunk<N>``: ``ChunkedPrefillPress(<press>, chunk_size=N)``, inside ``CompactCachePress`` for compact
-    variants). Its comparison pairs are registered alongside.
+    variants); its comparison pair follows from the name (:func:`critical_base`).
     """
     presses = registry.PRESS_REGISTRY
     if name in presses:
@@ -127,9 +156,6 @@ def ensure_press(registry: ModuleType, name: str) -> bool:
     else:
         press = ChunkedPrefillPress(copy.deepcopy(base), chunk_size=size)
     presses[name] = press
-    for pairs in (CRITICAL_BASES, FOLLOW_UPS):
-        if match["base"] in pairs:
-            pairs[name] = chunked_name(pairs[match["base"]], size)
     return True
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from evaluation.registry import BASELINE, CRITICAL_BASES
+from evaluation.registry import BASELINE, critical_base
 from evaluation.tasks import KEYS, LONGBENCH_DOMAINS, LONGBENCH_TASKS, RULER_ORDER, task_order
 
 
@@ -23,10 +23,10 @@ def _press_order(presses) -> list[str]:
     presses = list(dict.fromkeys(presses))
     ordered = [BASELINE] if BASELINE in presses else []
     for press in presses:
-        if press in ordered or press in CRITICAL_BASES and CRITICAL_BASES[press] in presses:
+        if press in ordered or critical_base(press) in presses:
             continue
         ordered.append(press)
-        ordered.extend(p for p in presses if CRITICAL_BASES.get(p) == press and p not in ordered)
+        ordered.extend(p for p in presses if critical_base(p) == press and p not in ordered)
     return ordered + [p for p in presses if p not in ordered]
 
 
@@ -145,7 +145,7 @@ def plot(summary: pd.DataFrame, folder: Path) -> list[Path]:
                 continue
             rows = group[(group["press"] == press)].sort_values("cache_size")
             y = rows["average"].where(rows["average"].notna(), rows["average_available"])
-            style = "-" if press in CRITICAL_BASES else "--"
+            style = "-" if critical_base(press) is not None else "--"
             ax.plot(rows["cache_size"], y, style, marker="o", label=press)
         full = group.loc[group["press"] == BASELINE, "average"]
         if len(full) and math.isfinite(full.iloc[0]):

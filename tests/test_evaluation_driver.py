@@ -11,7 +11,7 @@ import pytest
 
 from evaluation import kvpress_eval
 from evaluation.presets import expand, load_preset
-from evaluation.registry import CRITICAL_BASES, register
+from evaluation.registry import CRITICAL_BASES, critical_base, register
 from evaluation.sweep import gpu_ids
 from evaluation.worker import is_finished, publish
 
@@ -81,7 +81,12 @@ def test_register_mutates_kvpress_registries_in_place(tmp_path):
     assert presses["critical_adakv_snapkv_l2"].norm == "l2" and presses["critical_snapkv"].norm == "l1"
     assert "knorm" in presses
     for critical, base in CRITICAL_BASES.items():  # every pairing used by the aggregation exists
-        assert base in presses and (critical in presses or critical.startswith("kvpress_"))
+        assert base in presses and critical in presses
+    for name in presses:  # and every variant (L2, compact, kvpress's own) is compared with a registered press
+        base = critical_base(name)
+        assert base is None or base in presses, name
+    assert critical_base("critical_adakv_snapkv_l2_compact_chunk512") == "adakv_snapkv_compact_chunk512"
+    assert critical_base("kvpress_critical_snapkv") == "snapkv" and critical_base("snapkv") is None
     assert datasets["ruler_offline"] == str(tmp_path) and scorers["ruler_offline"] is scorers["ruler"]
     with pytest.raises(ValueError, match="kvpress's own"):
         register(registry, {"ruler": tmp_path})
