@@ -97,14 +97,29 @@ def run(pipe, context: str, press) -> dict:
 
 
 def render(rows: list[dict]) -> str:
-    header = ["tokens", "chunk", "method", "TTFT s (speed-up vs full cache)", "peak MiB (x full cache)", "KV MiB",
-              "needle found", "answer = one-shot"]  # fmt: skip
+    header = [
+        "tokens",
+        "chunk",
+        "method",
+        "TTFT s (speed-up vs full cache)",
+        "peak MiB (x full cache)",
+        "KV MiB",
+        "needle found",
+        "answer = one-shot",
+    ]
     body = [
-        [r["tokens"], r["chunk"] or "one shot", r["method"], f"{fmt(r['ttft_s'], 2)} ({fmt(r['ttft_x'])})",
-         f"{fmt(r['peak_mib'], 0)} ({fmt(r['peak_x'])})", fmt(r["kv_mib"], 1), "yes" if r["found"] else "no",
-         "–" if r["chunk"] is None else ("yes" if r["same_as_one_shot"] else "no")]
+        [
+            r["tokens"],
+            r["chunk"] or "one shot",
+            r["method"],
+            f"{fmt(r['ttft_s'], 2)} ({fmt(r['ttft_x'])})",
+            f"{fmt(r['peak_mib'], 0)} ({fmt(r['peak_x'])})",
+            fmt(r["kv_mib"], 1),
+            "yes" if r["found"] else "no",
+            "–" if r["chunk"] is None else ("yes" if r["same_as_one_shot"] else "no"),
+        ]
         for r in rows
-    ]  # fmt: skip
+    ]
     return markdown_table(header, body) + "\n"
 
 
@@ -125,7 +140,7 @@ def main(argv=None) -> int:
     from kvpress import KVPressTextGenerationPipeline  # noqa: F401  (registers the pipeline)
     from transformers import pipeline
 
-    from kvpress_critical.demo import haystack_context
+    from kvpress_critical.data.text import haystack_context
 
     model, tokenizer, label = load_model(args.model, device, None)
     if tokenizer is None:
@@ -156,15 +171,25 @@ def main(argv=None) -> int:
                 row = dict(tokens=n_tokens, chunk=chunk, method=name, **run(pipe, context, build(name, make, chunk)))
                 row["found"] = VALUE in row["answer"]
                 group.append(row)
-                logger.info("%d tokens, chunk %s, %-30s TTFT %.2f s, peak %s MiB, KV %.1f MiB: %r", n_tokens,
-                            chunk or "one shot", name, row["ttft_s"], row["peak_mib"], row["kv_mib"],
-                            row["answer"])  # fmt: skip
+                logger.info(
+                    "%d tokens, chunk %s, %-30s TTFT %.2f s, peak %s MiB, KV %.1f MiB: %r",
+                    n_tokens,
+                    chunk or "one shot",
+                    name,
+                    row["ttft_s"],
+                    row["peak_mib"],
+                    row["kv_mib"],
+                    row["answer"],
+                )
         for row in group:
             full = next(r for r in group if r["chunk"] == row["chunk"] and r["method"] == "full cache")
             one_shot = next((r for r in group if r["chunk"] is None and r["method"] == row["method"]), row)
             row["ttft_x"] = round(full["ttft_s"] / row["ttft_s"], 3)  # > 1: faster than the full cache
-            row["peak_x"] = None if not full["peak_mib"] or row["peak_mib"] is None else round(
-                row["peak_mib"] / full["peak_mib"], 3)  # fmt: skip
+            row["peak_x"] = (
+                None
+                if not full["peak_mib"] or row["peak_mib"] is None
+                else round(row["peak_mib"] / full["peak_mib"], 3)
+            )
             row["same_as_one_shot"] = row["answer"] == one_shot["answer"]
         rows += group
         write_results(stem, rows, header + render(rows))

@@ -59,14 +59,14 @@ CONFIG_MODELS = {  # config-built models with random weights (no download): shap
         num_key_value_heads=8,
         vocab_size=128256,
         rope_theta=500000.0,
-    ),  # fmt: skip
+    ),
     "tiny": dict(  # Llama's layout at a size a CPU builds in a second (gpu_check dry run: the logic, not the numbers)
         hidden_size=256,
         intermediate_size=512,
         num_attention_heads=8,
         num_key_value_heads=2,
         vocab_size=2048,
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -81,8 +81,9 @@ def load_model(name: str, device: torch.device, layers: int | None):
 
         shape = CONFIG_MODELS[name.split(":", 1)[1]]
         n_layers = layers or 8
-        config = tf.LlamaConfig(**shape, num_hidden_layers=n_layers, max_position_embeddings=131072,
-                                attn_implementation="sdpa")  # fmt: skip
+        config = tf.LlamaConfig(
+            **shape, num_hidden_layers=n_layers, max_position_embeddings=131072, attn_implementation="sdpa"
+        )
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         with torch.device(device):
             model = tf.LlamaForCausalLM(config).to(dtype).eval()
@@ -93,7 +94,7 @@ def load_model(name: str, device: torch.device, layers: int | None):
 def context_ids(tokenizer, n_tokens: int, vocab: int, device) -> torch.Tensor:
     if tokenizer is None:
         return torch.randint(0, vocab, (1, n_tokens), generator=torch.Generator().manual_seed(n_tokens)).to(device)
-    from kvpress_critical.data.prose import prose_passage
+    from kvpress_critical.data.text import prose_passage
 
     rng, text, ids = random.Random(0), "", []
     while len(ids) < n_tokens:
@@ -208,18 +209,32 @@ def measure(model, ids, name, press, args, device) -> dict:
 
 
 def render(rows: list[dict]) -> str:
-    header = ["tokens", "ratio", "press", "KV MiB (x full)", "peak prefill MiB", "peak decoding MiB",
-              "ms / token (x pruning)", "prefill s (x masking)", "conversion ms (% of prefill)"]  # fmt: skip
+    header = [
+        "tokens",
+        "ratio",
+        "press",
+        "KV MiB (x full)",
+        "peak prefill MiB",
+        "peak decoding MiB",
+        "ms / token (x pruning)",
+        "prefill s (x masking)",
+        "conversion ms (% of prefill)",
+    ]
     body = []
     for r in rows:
-        body.append([
-            r["tokens"], f"{r['ratio']:g}" if r["ratio"] else "–", r["press"],
-            f"{fmt(r['kv_mib'], 1)} ({fmt(r['kv_x_full'])})",
-            fmt(r["peak_prefill_mib"], 0), fmt(r["peak_decode_mib"], 1),
-            f"{fmt(r['ms_per_token'], 1)} ({fmt(r['x_pruning'])})",
-            f"{fmt(r['prefill_s'], 2)} ({fmt(r['x_masking_prefill'])})",
-            f"{fmt(r['convert_ms'], 1)} ({fmt(r['convert_pct'], 2)}%)" if r["convert_ms"] else "–",
-        ])  # fmt: skip
+        body.append(
+            [
+                r["tokens"],
+                f"{r['ratio']:g}" if r["ratio"] else "–",
+                r["press"],
+                f"{fmt(r['kv_mib'], 1)} ({fmt(r['kv_x_full'])})",
+                fmt(r["peak_prefill_mib"], 0),
+                fmt(r["peak_decode_mib"], 1),
+                f"{fmt(r['ms_per_token'], 1)} ({fmt(r['x_pruning'])})",
+                f"{fmt(r['prefill_s'], 2)} ({fmt(r['x_masking_prefill'])})",
+                f"{fmt(r['convert_ms'], 1)} ({fmt(r['convert_pct'], 2)}%)" if r["convert_ms"] else "–",
+            ]
+        )
     return markdown_table(header, body) + "\n"
 
 
@@ -258,8 +273,15 @@ def main(argv=None) -> int:
                 row = measure(model, ids, name, press, args, device)
                 row["ratio"] = ratio
                 group.append(row)
-                logger.info("%d tokens, ratio %g, %-32s KV %.1f MiB, %.1f ms/token, prefill %.2f s", n_tokens, ratio,
-                            name, row["kv_mib"], row["ms_per_token"], row["prefill_s"])  # fmt: skip
+                logger.info(
+                    "%d tokens, ratio %g, %-32s KV %.1f MiB, %.1f ms/token, prefill %.2f s",
+                    n_tokens,
+                    ratio,
+                    name,
+                    row["kv_mib"],
+                    row["ms_per_token"],
+                    row["prefill_s"],
+                )
         for row in group:
             row["kv_x_full"] = round(row["kv_mib"] / full["kv_mib"], 3)
             same = [r for r in group if r["ratio"] == row["ratio"]]

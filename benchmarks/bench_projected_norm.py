@@ -148,8 +148,15 @@ def run_case(model: str, k_len: int, dtype: torch.dtype, args, device: torch.dev
                 pct_bf16_peak=round(100 * flop / low / 1e12 / args.peak, 1) if args.peak else float("nan"),
             )
         )
-        logger.info("%s T=%d %s %-10s %9.2f ms  x_floor %.2f", label, k_len, rows[-1]["dtype"], name, low * 1e3,
-                    rows[-1]["x_floor"])  # fmt: skip
+        logger.info(
+            "%s T=%d %s %-10s %9.2f ms  x_floor %.2f",
+            label,
+            k_len,
+            rows[-1]["dtype"],
+            name,
+            low * 1e3,
+            rows[-1]["x_floor"],
+        )
     return rows
 
 

@@ -90,8 +90,9 @@ def run_case(average: int, dtype: torch.dtype, args, device: torch.device) -> li
                 gb_per_s=round(bytes_read / best / 1e9, 1),
             )
         )
-        logger.info("avg %6d %s %-28s %8.3f ms (x sdpa %.2f)", average, rows[-1]["dtype"], name, best * 1e3,
-                    rows[-1]["x_sdpa"])  # fmt: skip
+        logger.info(
+            "avg %6d %s %-28s %8.3f ms (x sdpa %.2f)", average, rows[-1]["dtype"], name, best * 1e3, rows[-1]["x_sdpa"]
+        )
     return rows
 
 
@@ -105,7 +106,7 @@ def render(rows: list[dict]) -> str:
             fmt(r["best_ms"], 3),
             fmt(r["x_sdpa"]),
             fmt(r["gb_per_s"], 1),
-        ]  # fmt: skip
+        ]
         for r in rows
     ]
     return markdown_table(header, body) + "\n"

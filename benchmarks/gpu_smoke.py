@@ -143,8 +143,18 @@ def main(argv=None) -> int:
                 try:
                     emit(check_norm(backend, device, dtype, head_dim, norm, args.tokens))
                 except Exception as e:  # one failing case must not hide the others
-                    emit(dict(op="projected_value_norm", backend=backend, dtype=str(dtype), head_dim=head_dim,
-                              norm=norm, ok=False, error=repr(e), traceback=traceback.format_exc(limit=3)))  # fmt: skip
+                    emit(
+                        dict(
+                            op="projected_value_norm",
+                            backend=backend,
+                            dtype=str(dtype),
+                            head_dim=head_dim,
+                            norm=norm,
+                            ok=False,
+                            error=repr(e),
+                            traceback=traceback.format_exc(limit=3),
+                        )
+                    )
         for row in attention_cases(device, args.tokens):
             emit(row)
     print(f"smoke: {failures} failing case(s)", flush=True)

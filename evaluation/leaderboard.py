@@ -29,8 +29,6 @@ from evaluation.presets import expand, load_preset
 from evaluation.tasks import RULER_ORDER
 from evaluation.worker import RESULT_FILES
 
-logger = logging.getLogger(__name__)
-
 SPACE_ID = "nvidia/kvpress-leaderboard"
 SPACE_RESULTS_DIR = "benchmark"
 

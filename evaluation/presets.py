@@ -15,14 +15,11 @@ mapping ``{name: ..., gpus: 2}`` for models that need several GPUs.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-
-logger = logging.getLogger(__name__)
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 EMBEDDED = "embedded"

@@ -7,7 +7,8 @@ joined on ``context_id`` and ``task``):
 - ``match``: kvpress's RULER string match of the greedy answer (fraction of reference answers it contains);
 - ``nll``: mean negative log-likelihood of the target's answer tokens under the compressed cache;
   ``nll_loss = nll - nll_full``, the loss vs the full cache (the reference pass, same tokens);
-- ``kl``: mean per-token ``KL(p_full || p_compressed)`` over the target tokens.
+- ``kl_topk``: mean per-token ``KL(p_full || p_compressed)`` over the target tokens, the distributions coarsened to
+  the full cache's top-512 tokens plus the rest (:mod:`kvpress_critical.likelihood`; a lower bound of the exact KL).
 
 ``quality.csv``: means per model, benchmark, press and ratio, with sample and context counts.
 ``quality_comparisons.csv``: each press next to its base (``evaluation.registry.comparison_pairs``; DefensiveKV next to
@@ -43,7 +44,8 @@ def quality_samples(runs: list[dict]) -> pd.DataFrame:
         folder = Path(run["folder"])
         if not (folder / LIKELIHOOD_FILE).is_file() or not (folder / "predictions.csv").is_file():
             continue
-        likelihood = pd.read_csv(folder / LIKELIHOOD_FILE)
+        # (results written before the KL column was named kl_topk call it kl: the same quantity)
+        likelihood = pd.read_csv(folder / LIKELIHOOD_FILE).rename(columns={"kl": "kl_topk", "kl_max": "kl_topk_max"})
         predictions = pd.read_csv(folder / "predictions.csv")
         if not set(SAMPLE_KEYS) <= set(predictions.columns):
             logger.warning("%s: predictions.csv has no %s columns; string match not paired", folder, SAMPLE_KEYS)
@@ -73,7 +75,7 @@ def quality_summary(samples: pd.DataFrame) -> pd.DataFrame:
         string_match=("match", "mean"),
         nll=("nll", "mean"),
         nll_loss=("nll_loss", "mean"),
-        kl=("kl", "mean"),
+        kl_topk=("kl_topk", "mean"),
     ).reset_index()
     summary["string_match"] *= 100
     return summary
@@ -104,7 +106,7 @@ def quality_comparisons(samples: pd.DataFrame, n_resamples: int = 2000, pairs: d
             clusters = paired["context_id"].to_numpy()
             nll_base = paired["nll_loss_base"].to_numpy()
             nll_crit = paired["nll_loss"].to_numpy()
-            kl_base, kl_crit = paired["kl_base"].to_numpy(), paired["kl"].to_numpy()
+            kl_base, kl_crit = paired["kl_topk_base"].to_numpy(), paired["kl_topk"].to_numpy()
             match_base, match_crit = paired["match_base"].to_numpy(), paired["match"].to_numpy()
             boot = dict(clusters=clusters, n_resamples=n_resamples)
             nll_rel = paired_bootstrap(relative_reduction, nll_base, nll_crit, **boot)
@@ -170,13 +172,13 @@ def quality_markdown(summary: pd.DataFrame, comparisons: pd.DataFrame) -> str:
                 "",
             ]
         lines += [
-            "| cache | press | string match | answer NLL | NLL loss vs full | KL vs full |",
+            "| cache | press | string match | answer NLL | NLL loss vs full | KL (top-512) vs full |",
             "|---|---|---|---|---|---|",
         ]
         body = group[group["press"] != BASELINE].sort_values(["cache_size", "press"], ascending=[False, True])
         for r in body.itertuples():
             cells = [f"{r.cache_size:g}%", r.press, f"{r.string_match:.1f}", f"{r.nll:.3f}", f"{r.nll_loss:+.3f}"]
-            lines.append("| " + " | ".join(cells + [f"{r.kl:.3f}"]) + " |")
+            lines.append("| " + " | ".join(cells + [f"{r.kl_topk:.3f}"]) + " |")
         lines.append("")
         comp = (
             comparisons[(comparisons["model"] == model) & (comparisons["benchmark"] == benchmark)]
@@ -189,7 +191,7 @@ def quality_markdown(summary: pd.DataFrame, comparisons: pd.DataFrame) -> str:
                 "`1 - press / base` of the loss vs the full cache: positive = the press loses less.",
                 "",
                 "| cache | press vs base | n (contexts) | NLL loss: base → press | NLL loss reduction "
-                "| KL: base → press | KL reduction | string match change (pp) |",
+                "| KL (top-512): base → press | KL reduction | string match change (pp) |",
                 "|---|---|---|---|---|---|---|---|",
             ]
             for _, r in comp.sort_values(["cache_size", "press"], ascending=[False, True]).iterrows():
@@ -223,13 +225,14 @@ def quality_plot(summary: pd.DataFrame, folder: Path) -> list[Path]:
         for press in sorted(set(group["press"]) - {BASELINE}):
             rows = group[group["press"] == press].sort_values("cache_size")
             style = "-" if critical_base(press) is not None else "--"
-            for ax, column in zip(axes, ("nll_loss", "kl", "string_match")):
+            for ax, column in zip(axes, ("nll_loss", "kl_topk", "string_match")):
                 ax.plot(rows["cache_size"], rows[column], style, marker="o", label=press)
         full = group[group["press"] == BASELINE]
         if len(full):
             axes[2].axhline(full["string_match"].iloc[0], color="black", linestyle=":", label="full cache")
-        for ax, label in zip(axes, ("answer NLL loss vs full (nats/token)", "KL(full || press) per token",
-                                    "string match")):  # fmt: skip
+        for ax, label in zip(
+            axes, ("answer NLL loss vs full (nats/token)", "KL(full || press) per token (top-512)", "string match")
+        ):
             ax.set_xlabel("KV cache size (% kept)")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)

@@ -63,8 +63,14 @@ def _run_configuration(job_file: str, log: str, describe: str, repo: str, thread
         log_file.write(f"# {describe}\n# ray node {os.uname().nodename}, devices: {devices}\n")
         log_file.flush()
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
-        return subprocess.run(worker_command(Path(job_file), sys.executable), stdout=log_file,
-                              stderr=subprocess.STDOUT, env=env, cwd=repo, preexec_fn=preexec).returncode  # fmt: skip
+        return subprocess.run(
+            worker_command(Path(job_file), sys.executable),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=repo,
+            preexec_fn=preexec,
+        ).returncode
 
 
 def run_ray_sweep(
@@ -111,15 +117,17 @@ def run_ray_sweep(
         lock.release()
 
 
-def _run(ray, pending, report: SweepReport, output_dir: Path, extra: dict, gpus_per_job, threads_per_job,
-         max_retries) -> SweepReport:  # fmt: skip
+def _run(
+    ray, pending, report: SweepReport, output_dir: Path, extra: dict, gpus_per_job, threads_per_job, max_retries
+) -> SweepReport:
     task = ray.remote(max_retries=max_retries, retry_exceptions=False)(_run_configuration)
     refs = {}
     for job in pending:
         gpus = gpus_per_job * job.model.gpus if gpus_per_job else 0
         threads = None if gpus else threads_per_job
-        job_file, staging, log = prepare_job(job, output_dir, extra, gpus=int(gpus) if gpus >= 1 else 0,
-                                             threads=threads)  # fmt: skip
+        job_file, staging, log = prepare_job(
+            job, output_dir, extra, gpus=int(gpus) if gpus >= 1 else 0, threads=threads
+        )
         options = {"num_gpus": gpus, "num_cpus": threads or 1}
         ref = task.options(**options).remote(str(job_file), str(log), job.describe(), str(REPO_ROOT), threads)
         refs[ref] = (job, job_file, staging, log, time.time())

@@ -257,8 +257,14 @@ def main(argv: list[str] | None = None) -> int:
 
         gpus_per_job = 0 if cpu_only else (args.gpus_per_job if args.gpus_per_job is not None else 1)
         logger.info("%d configurations on Ray (%s GPU(s) per job)", len(jobs), gpus_per_job)
-        report = run_ray_sweep(jobs, output_dir, worker_extra=extra, address=args.ray_address,
-                               gpus_per_job=gpus_per_job, threads_per_job=args.threads or 1)  # fmt: skip
+        report = run_ray_sweep(
+            jobs,
+            output_dir,
+            worker_extra=extra,
+            address=args.ray_address,
+            gpus_per_job=gpus_per_job,
+            threads_per_job=args.threads or 1,
+        )
     else:
         gpus = [] if cpu_only else (_split(args.gpus) if args.gpus else gpu_ids())
         logger.info("%d configurations, %s", len(jobs), f"GPUs {gpus}" if gpus else f"{args.workers} CPU worker(s)")
@@ -296,8 +302,15 @@ def _slurm(args, preset: Preset, jobs, output_dir: Path, extra: dict, expected, 
             _aggregate(args, output_dir, expected)
         return 0 if not result["failed"] else 1
     options = dict(preset.slurm)
-    cli = dict(partition=args.partition, time=args.time, account=args.account, max_parallel=args.max_parallel,
-               cpus_per_job=args.threads, mem=args.mem, gpus_per_job=args.gpus_per_job)  # fmt: skip
+    cli = dict(
+        partition=args.partition,
+        time=args.time,
+        account=args.account,
+        max_parallel=args.max_parallel,
+        cpus_per_job=args.threads,
+        mem=args.mem,
+        gpus_per_job=args.gpus_per_job,
+    )
     options.update({k: v for k, v in cli.items() if v is not None})
     if cpu_only:
         options["gpus_per_job"] = 0
@@ -307,8 +320,10 @@ def _slurm(args, preset: Preset, jobs, output_dir: Path, extra: dict, expected, 
         return 0
     print(f"{len(pending)} configurations (of {len(jobs)}) in the job array {script}\nmanifest {manifest}")
     slurm.submit(script, dry_run=args.no_submit)
-    print(f"follow it with: bash evaluation/evaluate.sh --launcher slurm --status --preset {args.preset}"
-          + (f" --output-dir {args.output_dir}" if args.output_dir else ""))  # fmt: skip
+    print(
+        f"follow it with: bash evaluation/evaluate.sh --launcher slurm --status --preset {args.preset}"
+        + (f" --output-dir {args.output_dir}" if args.output_dir else "")
+    )
     return 0
 
 

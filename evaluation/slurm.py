@@ -38,10 +38,15 @@ from evaluation.presets import Job
 from evaluation.sweep import REPO_ROOT, SweepReport, job_payload, record_result, worker_command, worker_env
 from evaluation.worker import is_finished
 
-logger = logging.getLogger(__name__)
-
-DEFAULTS = {"partition": None, "time": "04:00:00", "gpus_per_job": 1, "cpus_per_job": 8, "account": None,
-            "max_parallel": None, "mem": None}  # fmt: skip
+DEFAULTS = {
+    "partition": None,
+    "time": "04:00:00",
+    "gpus_per_job": 1,
+    "cpus_per_job": 8,
+    "account": None,
+    "max_parallel": None,
+    "mem": None,
+}
 
 
 def write_array(
@@ -142,8 +147,13 @@ def run_task(manifest: str | os.PathLike, index: int) -> int:
     with open(log, "w") as log_file:
         log_file.write(f"# {entry['describe']}\n# slurm array index {index} ({attempt}), node {os.uname().nodename}\n")
         log_file.flush()
-        code = subprocess.run(worker_command(job_file), stdout=log_file, stderr=subprocess.STDOUT,
-                              env=worker_env(None, threads), cwd=REPO_ROOT).returncode  # fmt: skip
+        code = subprocess.run(
+            worker_command(job_file),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=worker_env(None, threads),
+            cwd=REPO_ROOT,
+        ).returncode
     shutil.rmtree(payload["staging_dir"], ignore_errors=True)
     job_file.unlink(missing_ok=True)
 
@@ -185,8 +195,10 @@ def status(output_dir: str | os.PathLike, jobs: list[Job] | None = None) -> dict
 
 def print_status(result: dict[str, list[str]], output_dir: Path) -> None:
     total = sum(len(v) for v in result.values())
-    print(f"{output_dir}: {len(result['finished'])} finished, {len(result['failed'])} failed, "
-          f"{len(result['missing'])} missing (not run yet, or running), of {total}")  # fmt: skip
+    print(
+        f"{output_dir}: {len(result['finished'])} finished, {len(result['failed'])} failed, "
+        f"{len(result['missing'])} missing (not run yet, or running), of {total}"
+    )
     for name in result["failed"]:
         print(f"  failed:  {name}  (see failed/{name}.txt)")
     for name in result["missing"]:

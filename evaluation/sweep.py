@@ -260,8 +260,9 @@ def _launch(job: Job, devices: list[str], on_gpu: bool, output_dir: Path, extra:
     with open(log, "w") as log_file:
         log_file.write(f"# {job.describe()}\n# devices: {','.join(devices)}\n")
         log_file.flush()
-        process = subprocess.Popen(worker_command(job_file), stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                   cwd=REPO_ROOT)  # fmt: skip
+        process = subprocess.Popen(
+            worker_command(job_file), stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT
+        )
     logger.info("started %s on %s", job.name, ",".join(devices))
     return _Running(job, process, devices, log, staging, job_file, time.time())
 

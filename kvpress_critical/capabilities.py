@@ -92,28 +92,73 @@ def _kvpress_table() -> list[tuple[type, Capabilities]]:
         (kvpress.CriticalAdaKVPress, Capabilities(selection="head-wise", applies_criticalkv=True)),
         (kvpress.DecodingPress, Capabilities(selection="wrapper", compresses_while_decoding=True, drives_model=True)),
         (kvpress.PrefillDecodingPress, Capabilities(selection="wrapper")),  # its __call__ dispatches to its presses
-        (kvpress.KeyRerotationPress, Capabilities(selection="wrapper", rerotates_keys=True,
-                                                  whole_context="it re-rotates the kept keys, while chunks are "
-                                                                "prefilled at their original positions")),
-        (kvpress.FinchPress, Capabilities(drives_model=True, whole_context="it locates the question in the context by "
-                                          "a delimiter, which only the whole context contains")),
-        (kvpress.PyramidKVPress, Capabilities(selection="pruning", whole_context="its per-layer budgets are derived "
-                                              "from the context length it is called with")),
-        (kvpress.ExpectedAttentionPress, Capabilities(selection="pruning", budgeted=True, whole_context="it rotates "
-                                                      "its expected future queries from the chunk's length, not the "
-                                                      "position reached")),
-        (kvpress.CapPress, Capabilities(selection="pruning", budgeted=True, whole_context="it rotates its future "
-                                        "queries from the chunk's length, not the position reached")),
-        (kvpress.PerLayerCompressionPress, Capabilities(selection="wrapper", whole_context="it sets each layer's "
-                                                        "compression ratio itself, replacing the chunk's budget")),
-        (kvpress.ComposedPress, Capabilities(selection="wrapper", whole_context="it compresses with each of its "
-                                             "presses in turn, through their own hooks only")),
-        (kvpress.DMSPress, Capabilities(selection="wrapper", whole_context="it sets its threshold, not a compression "
-                                        "ratio, which the chunks need to follow the budget")),
+        (
+            kvpress.KeyRerotationPress,
+            Capabilities(
+                selection="wrapper",
+                rerotates_keys=True,
+                whole_context="it re-rotates the kept keys, while chunks are prefilled at their original positions",
+            ),
+        ),
+        (
+            kvpress.FinchPress,
+            Capabilities(
+                drives_model=True,
+                whole_context="it locates the question in the context by "
+                "a delimiter, which only the whole context contains",
+            ),
+        ),
+        (
+            kvpress.PyramidKVPress,
+            Capabilities(
+                selection="pruning",
+                whole_context="its per-layer budgets are derived from the context length it is called with",
+            ),
+        ),
+        (
+            kvpress.ExpectedAttentionPress,
+            Capabilities(
+                selection="pruning",
+                budgeted=True,
+                whole_context="it rotates "
+                "its expected future queries from the chunk's length, not the "
+                "position reached",
+            ),
+        ),
+        (
+            kvpress.CapPress,
+            Capabilities(
+                selection="pruning",
+                budgeted=True,
+                whole_context="it rotates its future queries from the chunk's length, not the position reached",
+            ),
+        ),
+        (
+            kvpress.PerLayerCompressionPress,
+            Capabilities(
+                selection="wrapper",
+                whole_context="it sets each layer's compression ratio itself, replacing the chunk's budget",
+            ),
+        ),
+        (
+            kvpress.ComposedPress,
+            Capabilities(
+                selection="wrapper",
+                whole_context="it compresses with each of its presses in turn, through their own hooks only",
+            ),
+        ),
+        (
+            kvpress.DMSPress,
+            Capabilities(
+                selection="wrapper",
+                whole_context="it sets its threshold, not a compression "
+                "ratio, which the chunks need to follow the budget",
+            ),
+        ),
         (kvpress.ThinKPress, Capabilities(whole_context="it compresses channels, not entries")),
         (kvpress.AdaKVPress, Capabilities(selection="head-wise", budgeted=True, scores_exclusions=True)),
         (kvpress.ScorerPress, Capabilities(selection="pruning", budgeted=True, scores_exclusions=True)),
-    ]  # fmt: skip
+    ]
     return [(cls, caps) for cls, caps in table if isinstance(cls, type)]
 
 

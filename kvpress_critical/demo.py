@@ -13,70 +13,17 @@ two CPU cores; the quality preset (``make eval-quality``) is the full sweep.
 """
 
 import argparse
-import random
 import time
 
 import torch
-from kvpress import AdaKVPress, ExpectedAttentionPress, KnormPress, SnapKVPress
+from kvpress import AdaKVPress
 from transformers import DynamicCache
 
 from kvpress_critical.default_model import DEFAULT_MODEL_NAME, load_default_model
 from kvpress_critical.modeling import attention_modules
 from kvpress_critical.ops import resolve_backend
 from kvpress_critical.presses import CriticalAdaKVPress, CriticalKVPress
-
-BASE_PRESSES = {
-    "snapkv": lambda ratio: SnapKVPress(ratio),
-    "expected_attention": lambda ratio: ExpectedAttentionPress(ratio, use_vnorm=False),
-    "knorm": lambda ratio: KnormPress(ratio),
-}
-
-_SUBJECTS = [
-    "The old lighthouse",
-    "A quiet river",
-    "The village baker",
-    "Our science teacher",
-    "The night train",
-    "A curious fox",
-    "The mountain road",
-    "The city library",
-    "An autumn storm",
-    "The market square",
-]
-_VERBS = [
-    "watched over",
-    "wound slowly past",
-    "talked about",
-    "was known for",
-    "rattled through",
-    "wandered near",
-    "climbed toward",
-    "kept records of",
-    "swept across",
-    "filled up with",
-]
-_OBJECTS = [
-    "the sleeping harbour",
-    "fields of golden wheat",
-    "stories of distant travellers",
-    "warm bread at dawn",
-    "the valley before sunrise",
-    "the edge of the forest",
-    "forgotten maps",
-    "every rooftop in town",
-    "merchants and musicians",
-    "the first snow of the year",
-]
-
-
-def haystack_context(tokenizer, n_tokens: int, needle: str, depth: float = 0.5, seed: int = 0) -> str:
-    """About ``n_tokens`` tokens of varied filler sentences with ``needle`` inserted at ``depth``."""
-    rng = random.Random(seed)
-    sentences = []
-    while len(tokenizer(" ".join(sentences)).input_ids) < n_tokens:
-        sentences.extend(f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}." for _ in range(20))
-    sentences.insert(int(len(sentences) * depth), needle)
-    return " ".join(sentences)
+from kvpress_critical.presses.catalogue import BASE_PRESSES
 
 
 def evicted_fraction(model, cache, context_length: int) -> float:
@@ -166,11 +113,11 @@ def main(argv=None) -> None:
         if press is None:  # the full-cache run is the reference of the others
             pipe.reference = dict(pipe.scores)
             for record in pipe.records:
-                record.update(kl=0.0, nll_full=record["nll"])
+                record.update(kl_topk=0.0, nll_full=record["nll"])
         seconds = time.perf_counter() - start
         nll = sum(r["nll"] for r in pipe.records) / len(pipe.records)
         loss = sum(r["nll"] - r["nll_full"] for r in pipe.records) / len(pipe.records)
-        kl = sum(r["kl"] for r in pipe.records) / len(pipe.records)
+        kl = sum(r["kl_topk"] for r in pipe.records) / len(pipe.records)
         accuracy = sum(correct) / len(correct)
         print(f"{name:<24} {evicted:>8.1%} {accuracy:>9.1%} {nll:>11.3f} {loss:>+9.3f} {kl:>11.3f} {seconds:>6.1f}")
     print(

@@ -12,9 +12,10 @@ compression with the press, greedy decoding, answer removal, chat template) is k
 
 The reference is the same teacher-forced pass on the uncompressed cache, computed once per model and dataset
 (:func:`ensure_reference`, under a file lock, published atomically) and kept as the top-``k`` log-probabilities
-of each target position; the KL is that of the distributions coarsened to those ``k`` tokens plus "the rest"
-(a lower bound of the full KL, equal to it when the rest holds no mass; with ``k = 512`` the rest holds
-< 1e-3 of the full-cache probability on the embedded model).
+of each target position; the KL recorded, ``kl_topk``, is that of the distributions coarsened to those ``k`` tokens
+plus "the rest" (a lower bound of the exact KL, equal to it when the rest holds no mass; with ``k = 512`` the rest
+holds < 1e-3 of the full-cache probability on the embedded model). The perturbation analysis
+(:mod:`kvpress_critical.analysis.fidelity`) computes the exact KL over the whole vocabulary, ``kl``.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ class LikelihoodPipeline(KVPressTextGenerationPipeline):
         if self.reference is not None and key in self.reference:
             ref = self.reference[key]
             kl = coarse_kl(ref.top_ids.to(logp.device), ref.top_logp.to(logp.device), logp).cpu()
-            record.update(kl=float(kl.mean()), kl_max=float(kl.max()), nll_full=float(ref.nll.mean()))
+            record.update(kl_topk=float(kl.mean()), kl_topk_max=float(kl.max()), nll_full=float(ref.nll.mean()))
         self.records.append(record)
         return answer
 

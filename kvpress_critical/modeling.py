@@ -5,8 +5,6 @@ Head sizes are read from the module and the weight, never from ``module.config.h
 Phi-3 configs have no ``head_dim``; Gemma3's differs from ``hidden_size / num_heads``).
 """
 
-import logging
-
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
@@ -14,8 +12,6 @@ from transformers import Gemma3ForConditionalGeneration
 
 from kvpress_critical.norm_reuse import projected_norm_reusing
 from kvpress_critical.ops import projected_value_norm
-
-logger = logging.getLogger(__name__)
 
 SUPPORTED_FAMILIES = "Llama, Mistral, Phi-3, Qwen2, Qwen3, Gemma3"
 

@@ -7,7 +7,7 @@ import pytest
 
 from kvpress_critical.analysis.cli import main
 from kvpress_critical.analysis.samples import load_rows, samples_from_rows
-from kvpress_critical.demo import haystack_context
+from kvpress_critical.data.text import haystack_context
 
 pytestmark = pytest.mark.slow
 

@@ -136,7 +136,7 @@ def test_several_chunks_keep_the_budget_of_the_tokens_seen(family, bsz, after_ea
 
 @pytest.mark.slow
 def test_answers_stay_sensible_on_smollm2(smollm2_pipeline):
-    from kvpress_critical.demo import haystack_context
+    from kvpress_critical.data.text import haystack_context
 
     pipe = smollm2_pipeline
     context = haystack_context(pipe.tokenizer, 900, "The secret passphrase for the archive is violet-harbor-42.")
@@ -328,9 +328,17 @@ def test_pruned_caches_stay_in_position_order_and_sliding_layers_are_refused():
             assert bool((match[1:] > match[:-1]).all())
     import transformers as tf
 
-    config = tf.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                              sliding_window=64, attn_implementation="sdpa")  # fmt: skip
+    config = tf.MistralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        sliding_window=64,
+        attn_implementation="sdpa",
+    )
     windowed = tf.MistralForCausalLM(config).eval()
     with pytest.raises(NotImplementedError, match="sliding window"):
         kept_masks(windowed, ids, ChunkedPrefillPress(CriticalAdaKVPress(SnapKVPress(0.5, window_size=8)), 40))

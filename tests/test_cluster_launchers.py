@@ -24,7 +24,7 @@ TINY = {
                 "tasks": ["niah_single_2"],
                 "seed": 0,
                 "max_new_tokens": {"niah": 8},
-            },  # fmt: skip
+            },
         }
     ],
     # duo_attention fails in kvpress's runner without head_compression_ratio: the configuration made to fail
@@ -57,8 +57,18 @@ def tiny_preset(tmp_path_factory):
 def local_results(tiny_preset, tmp_path_factory):
     out = tmp_path_factory.mktemp("local") / "results"
     # the two configurations the Ray run is compared on: one round of two workers
-    result = evaluate("--preset", str(tiny_preset), "--output-dir", str(out), "--workers", "2", "--threads", "1",
-                      "--presses", "no_press,critical_snapkv")  # fmt: skip
+    result = evaluate(
+        "--preset",
+        str(tiny_preset),
+        "--output-dir",
+        str(out),
+        "--workers",
+        "2",
+        "--threads",
+        "1",
+        "--presses",
+        "no_press,critical_snapkv",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return out
 
@@ -87,8 +97,18 @@ def test_ray_launcher(tiny_preset, local_results, tmp_path):
     # a second run resumes: the finished configurations are not run again, and with nothing pending (the failing
     # press left out) no Ray cluster is started
     stamps = {name: (out / name / "predictions.csv").stat().st_mtime_ns for name in GOOD}
-    second = evaluate("--preset", str(tiny_preset), "--output-dir", str(out), "--launcher", "ray", "--threads", "1",
-                      "--presses", "no_press,critical_snapkv")  # fmt: skip
+    second = evaluate(
+        "--preset",
+        str(tiny_preset),
+        "--output-dir",
+        str(out),
+        "--launcher",
+        "ray",
+        "--threads",
+        "1",
+        "--presses",
+        "no_press,critical_snapkv",
+    )
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
     assert "2 finished configuration(s) skipped" in second.stdout + second.stderr
     assert "nothing pending: Ray is not started" in second.stdout + second.stderr
@@ -97,9 +117,27 @@ def test_ray_launcher(tiny_preset, local_results, tmp_path):
 
 def test_slurm_array_for_the_paper_preset(tmp_path):
     out = tmp_path / "paper"
-    result = evaluate("--preset", "paper", "--output-dir", str(out), "--launcher", "slurm", "--no-submit",
-                      "--partition", "gpu", "--time", "08:00:00", "--account", "lab", "--max-parallel", "16",
-                      "--datasets", "ruler:4096", "--models", "meta-llama/Llama-3.1-8B-Instruct")  # fmt: skip
+    result = evaluate(
+        "--preset",
+        "paper",
+        "--output-dir",
+        str(out),
+        "--launcher",
+        "slurm",
+        "--no-submit",
+        "--partition",
+        "gpu",
+        "--time",
+        "08:00:00",
+        "--account",
+        "lab",
+        "--max-parallel",
+        "16",
+        "--datasets",
+        "ruler:4096",
+        "--models",
+        "meta-llama/Llama-3.1-8B-Instruct",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     scripts = list((out / "slurm").glob("sweep-*.sh"))
     manifests = list((out / "slurm").glob("sweep-*.json"))
@@ -108,8 +146,14 @@ def test_slurm_array_for_the_paper_preset(tmp_path):
     manifest = json.loads(manifests[0].read_text())
     n = len(manifest["configurations"])
     assert n == 1 + 6 * 4  # no_press + 6 presses x 4 ratios on one model and dataset
-    for line in ("#SBATCH --array=0-24%16", "#SBATCH --partition=gpu", "#SBATCH --time=08:00:00",
-                 "#SBATCH --account=lab", "#SBATCH --gres=gpu:1", "-m evaluation.slurm run"):  # fmt: skip
+    for line in (
+        "#SBATCH --array=0-24%16",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=08:00:00",
+        "#SBATCH --account=lab",
+        "#SBATCH --gres=gpu:1",
+        "-m evaluation.slurm run",
+    ):
         assert line in script, line
     assert [c["index"] for c in manifest["configurations"]] == list(range(n))
     names = [c["name"] for c in manifest["configurations"]]
@@ -127,16 +171,33 @@ def test_slurm_task_by_hand_and_status(tiny_preset, tmp_path):
     entries = json.loads(manifest.read_text())["configurations"]
     assert entries[0]["payload"].get("threads") and entries[0]["payload"]["config"]["device"] == "cpu"  # CPU preset
     index = {e["name"]: e["index"] for e in entries}
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SLURM_ARRAY_TASK_ID=str(index[GOOD[1]]), SLURM_ARRAY_JOB_ID="4242",
-               PYTHONPATH=str(REPO))  # fmt: skip
-    task = subprocess.run([sys.executable, "-m", "evaluation.slurm", "run", str(manifest)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        SLURM_ARRAY_TASK_ID=str(index[GOOD[1]]),
+        SLURM_ARRAY_JOB_ID="4242",
+        PYTHONPATH=str(REPO),
+    )
+    task = subprocess.run(
+        [sys.executable, "-m", "evaluation.slurm", "run", str(manifest)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert task.returncode == 0, task.stderr[-3000:]
     published = [p.name for p in out.iterdir() if (p / "config.yaml").is_file()]
     assert published == [GOOD[1]]  # that configuration only
     env["SLURM_ARRAY_TASK_ID"] = str(index[FAILING])
-    failing = subprocess.run([sys.executable, "-m", "evaluation.slurm", "run", str(manifest)], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=900)  # fmt: skip
+    failing = subprocess.run(
+        [sys.executable, "-m", "evaluation.slurm", "run", str(manifest)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert failing.returncode == 1 and (out / "failed" / f"{FAILING}.txt").is_file()
     status = evaluate("--preset", str(tiny_preset), "--output-dir", str(out), "--launcher", "slurm", "--status")
     text = status.stdout

@@ -109,10 +109,18 @@ def gemma3_with_sliding_layers():
     import transformers as tf
 
     config = tf.Gemma3TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, attn_implementation="sdpa",
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=16,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        attn_implementation="sdpa",
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=16,
+    )
     torch.manual_seed(0)
     return tf.Gemma3ForCausalLM(config).eval()
 
@@ -231,10 +239,17 @@ def test_windows_that_cannot_bind_are_full_attention():
     import transformers as tf
 
     config = tf.Phi3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, sliding_window=4096, pad_token_id=0,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        sliding_window=4096,
+        pad_token_id=0,
         attn_implementation="sdpa",
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = tf.Phi3ForCausalLM(config).eval()
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(0))
@@ -306,7 +321,7 @@ def test_logits_match_the_masking_layout_on_tiny_models(family):
     ("press_cls", "cases"), [(CriticalAdaKVPress, ((0, 0.5), (1, 0.75))), (AdaKVPress, ((2, 0.25),))]
 )
 def test_smollm2_logits_and_answers_match_the_masking_layout(smollm2, smollm2_pipeline, press_cls, cases):
-    from kvpress_critical.demo import haystack_context
+    from kvpress_critical.data.text import haystack_context
 
     model, tokenizer = smollm2
     pipe = smollm2_pipeline
@@ -330,8 +345,13 @@ def test_smollm2_logits_and_answers_match_the_masking_layout(smollm2, smollm2_pi
         # greedy answers through kvpress's unchanged pipeline, several questions (each answer removed afterwards)
         plain = pipe(context, questions=questions, press=press_cls(SnapKVPress(ratio)), max_new_tokens=12)
         cache = DynamicCache()
-        compacted = pipe(context, questions=questions, press=CompactCachePress(press_cls(SnapKVPress(ratio))),
-                         max_new_tokens=12, cache=cache)  # fmt: skip
+        compacted = pipe(
+            context,
+            questions=questions,
+            press=CompactCachePress(press_cls(SnapKVPress(ratio))),
+            max_new_tokens=12,
+            cache=cache,
+        )
         assert compacted["answers"] == plain["answers"], f"ratio {ratio}"
         n_kept = int(ids.shape[1] * (1 - ratio))
         lengths = [layer.get_seq_length() for layer in cache.layers]

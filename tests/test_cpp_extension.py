@@ -207,8 +207,12 @@ def test_parallel_first_uses_compile_once(tmp_path):
         "print('loaded', extension.extension_state().path)\n"
     )
     env = {**os.environ, "KVPRESS_CRITICAL_HOME": str(tmp_path)}
-    runs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True) for _ in range(2)]  # fmt: skip
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     outputs = [run.communicate(timeout=600) for run in runs]
     assert all(run.returncode == 0 for run in runs), [err[-2000:] for _, err in outputs]
     libraries = {out.strip().splitlines()[-1] for out, _ in outputs}

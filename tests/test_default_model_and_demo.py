@@ -6,7 +6,8 @@ import re
 import pytest
 
 from kvpress_critical import default_model
-from kvpress_critical.demo import haystack_context, main
+from kvpress_critical.data.text import haystack_context
+from kvpress_critical.demo import main
 
 
 def test_default_model_is_converted_and_cached(smollm2):

@@ -99,8 +99,10 @@ def test_defensivekv_matches_the_literal_method(family, bsz, recorded_inputs):
 def test_window_attention_is_the_same_with_eager_weights():
     """With eager attention the model's own weights are used: the same selection as recomputing them under sdpa."""
     ids = torch.randint(0, 256, (2, 70), generator=torch.Generator().manual_seed(0))
-    masks = {impl: kept_masks(tiny_model("llama", attn_implementation=impl), ids, DefensiveKVPress(0.6, window_size=8))
-             for impl in ("sdpa",)}  # fmt: skip
+    masks = {
+        impl: kept_masks(tiny_model("llama", attn_implementation=impl), ids, DefensiveKVPress(0.6, window_size=8))
+        for impl in ("sdpa",)
+    }
     eager = tiny_model("llama", attn_implementation="eager")
     cache = DynamicCache()
     out = eager.model(input_ids=ids, past_key_values=cache, output_attentions=True)
@@ -165,8 +167,9 @@ def test_errors_and_short_contexts():
     with pytest.raises(ValueError, match="odd"):
         DefensiveKVPress(0.5, kernel_size=4)
     with pytest.raises(RuntimeError, match="post_init_from_model"):
-        LayerDefensiveKVPress(0.5).compress(attention_modules(tiny_model("llama"))[0], None, torch.zeros(1, 2, 8, 16),
-                                            None, None, {})  # fmt: skip
+        LayerDefensiveKVPress(0.5).compress(
+            attention_modules(tiny_model("llama"))[0], None, torch.zeros(1, 2, 8, 16), None, None, {}
+        )
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (1, 20))  # shorter than the default 32-entry window
     masks = kept_masks(model, ids, DefensiveKVPress(0.5))

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.slow
 def wheels(tmp_path_factory):
     dest = tmp_path_factory.mktemp("whl")
     env = dict(os.environ, PY=sys.executable)
-    result = subprocess.run(["bash", "benchmarks/gpu_wheels.sh", str(dest)], cwd=ROOT, env=env, capture_output=True,
-                            text=True)  # fmt: skip
+    result = subprocess.run(
+        ["bash", "benchmarks/gpu_wheels.sh", str(dest)], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "wheels," in result.stdout
     return dest
@@ -36,8 +37,14 @@ def test_dry_run_walks_every_step(wheels, tmp_path):
     results = tmp_path / "out"
     env = dict(os.environ, DRY_RUN="1", PY=sys.executable, WHEELS=str(wheels), BUDGET_S="600")
     env.pop("TRITON_INTERPRET", None)  # the script sets it for its own steps
-    result = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(results)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh", str(results)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-3000:]
     steps = [line.split("\t") for line in (results / "steps.tsv").read_text().splitlines()]

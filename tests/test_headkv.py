@@ -116,9 +116,11 @@ def test_uniform_scores_select_like_the_uniform_presses(family, ratio):
     scores = uniform_scores(model)
     pairs = [
         (HeadKVPress(SnapKVPress(ratio, window_size=8), head_scores=scores), SnapKVPress(ratio, window_size=8)),
-        (CriticalHeadKVPress(SnapKVPress(ratio, window_size=8), head_scores=scores),
-         CriticalKVPress(SnapKVPress(ratio, window_size=8))),
-    ]  # fmt: skip
+        (
+            CriticalHeadKVPress(SnapKVPress(ratio, window_size=8), head_scores=scores),
+            CriticalKVPress(SnapKVPress(ratio, window_size=8)),
+        ),
+    ]
     for head_press, uniform_press in pairs:
         got, expected = kept_masks(model, ids, head_press), kept_masks(model, ids, uniform_press)
         for layer, (a, b) in enumerate(zip(got, expected)):
@@ -163,8 +165,13 @@ def test_compact_layout_and_wrappers(smollm2_pipeline):
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    compact = pipe(context, question=question, press=CompactCachePress(CriticalHeadKVPress(SnapKVPress(0.5))),
-                   max_new_tokens=8, cache=cache)["answer"]  # fmt: skip
+    compact = pipe(
+        context,
+        question=question,
+        press=CompactCachePress(CriticalHeadKVPress(SnapKVPress(0.5))),
+        max_new_tokens=8,
+        cache=cache,
+    )["answer"]
     assert isinstance(masked, str) and isinstance(compact, str)
     assert all(isinstance(layer, CompactLayer) for layer in cache.layers)
     lengths = [layer.segment_lengths() for layer in cache.layers]
@@ -228,9 +235,18 @@ def planted_model():
     needle tokens carry a marker direction its keys read, on the slowest RoPE pair (negligible rotation)."""
     import transformers as tf
 
-    config = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e9,
-                            max_position_embeddings=4096, attn_implementation="sdpa")  # fmt: skip
+    config = tf.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=1e9,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -265,8 +281,9 @@ def planted_trials(n=6):
 
 def test_planted_retrieval_head_ranks_first(tmp_path):
     model = planted_model()
-    scores, summary = profile_head_scores(model, None, planted_trials(), "reasoning", require_correct=False,
-                                          progress=False)  # fmt: skip
+    scores, summary = profile_head_scores(
+        model, None, planted_trials(), "reasoning", require_correct=False, progress=False
+    )
     assert summary["counted"] == 6 and all(len(v) == 6 for v in scores.values())
     matrix = parse_head_scores(scores)
     assert matrix.shape == (2, 4)
@@ -278,6 +295,7 @@ def test_planted_retrieval_head_ranks_first(tmp_path):
     save_head_scores(scores, tmp_path / "planted.json")
     assert torch.equal(load_head_scores(tmp_path / "planted.json"), matrix)
     # the retrieval (copy-paste) variant runs on the same trials
-    copy_scores, _ = profile_head_scores(model, None, planted_trials(2), "retrieval", require_correct=False,
-                                         progress=False)  # fmt: skip
+    copy_scores, _ = profile_head_scores(
+        model, None, planted_trials(2), "retrieval", require_correct=False, progress=False
+    )
     assert set(copy_scores) == set(scores)

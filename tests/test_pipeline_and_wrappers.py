@@ -17,7 +17,7 @@ from kvpress import (
 from transformers import DynamicCache
 
 from kvpress_critical import CriticalAdaKVPress, CriticalKVPress
-from kvpress_critical.demo import haystack_context
+from kvpress_critical.data.text import haystack_context
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from evaluation.bootstrap import mean_difference, paired_bootstrap, relative_reduction
-from kvpress_critical.data.prose import SOURCE, prose_passage, prose_sentences
 from kvpress_critical.data.quality import QUALITY_TASKS, generate_quality_dataset
+from kvpress_critical.data.text import SOURCE, prose_passage, prose_sentences
 from kvpress_critical.likelihood import coarse_kl, target_tokens
 
 REPO = Path(__file__).resolve().parent.parent
@@ -111,7 +111,7 @@ def test_likelihood_pipeline_full_cache_is_the_reference_and_matches_a_direct_co
     pipe.reference = reference
     pipe(context, questions=questions, press=None, max_new_tokens=4)
     for record in pipe.records:  # the full cache against itself: no loss at all
-        assert record["kl"] == pytest.approx(0.0, abs=1e-6)
+        assert record["kl_topk"] == pytest.approx(0.0, abs=1e-6)
         assert record["nll"] == pytest.approx(record["nll_full"], abs=1e-5)
 
     # direct computation: the whole conversation in one forward pass, no cache, same scored tokens
@@ -128,7 +128,7 @@ def test_likelihood_pipeline_full_cache_is_the_reference_and_matches_a_direct_co
 
     pipe.records = []  # a compressed cache loses likelihood
     pipe(context, questions=questions, press=SnapKVPress(0.75), max_new_tokens=4)
-    assert sum(r["kl"] for r in pipe.records) > 0
+    assert sum(r["kl_topk"] for r in pipe.records) > 0
 
 
 def test_bootstrap_covers_a_known_difference():
@@ -182,8 +182,9 @@ def test_quality_sweep_through_kvpress_runner(tmp_path):
     out = tmp_path / "results"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHON=sys.executable)
     command = ["bash", str(REPO / "evaluation" / "evaluate.sh"), "--preset", str(preset), "--output-dir", str(out)]
-    result = subprocess.run(command + ["--workers", "2", "--threads", "1"], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=900)  # fmt: skip
+    result = subprocess.run(
+        command + ["--workers", "2", "--threads", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     runs = sorted(p for p in out.iterdir() if p.name.startswith("quality_prose__"))
     assert len(runs) == 3
@@ -191,9 +192,9 @@ def test_quality_sweep_through_kvpress_runner(tmp_path):
         assert {"predictions.csv", "metrics.json", "config.yaml", "likelihood.csv"} <= {p.name for p in run.iterdir()}
         likelihood = pd.read_csv(run / "likelihood.csv")
         assert len(likelihood) == 2 * len(QUALITY_TASKS)
-        assert likelihood[["nll", "kl", "nll_full"]].notna().all().all()
+        assert likelihood[["nll", "kl_topk", "nll_full"]].notna().all().all()
     full = pd.read_csv(next(r for r in runs if "no_press" in r.name) / "likelihood.csv")
-    assert full["kl"].abs().max() < 1e-6
+    assert full["kl_topk"].abs().max() < 1e-6
     comparisons = pd.read_csv(out / "summary" / "quality_comparisons.csv")
     row = comparisons[(comparisons["press"] == "critical_snapkv") & (comparisons["base"] == "snapkv")].iloc[0]
     assert row["n_samples"] == 2 * len(QUALITY_TASKS) and row["n_contexts"] == 2

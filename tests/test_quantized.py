@@ -70,7 +70,7 @@ def quantized_smollm2(request):
 def test_pipeline_on_quantized_smollm2(quantized_smollm2):
     from transformers import pipeline
 
-    from kvpress_critical.demo import haystack_context
+    from kvpress_critical.data.text import haystack_context
 
     model, tokenizer = quantized_smollm2
     attn = model.model.layers[0].self_attn

@@ -28,8 +28,11 @@ LENGTHS = {1: [0, 37], 3: [1, 300, 0, 5, 129, 2]}
 def make(bsz, group, q_len, head_dim, dtype, tail_extra=3, capacity_extra=4, lengths=None, seed=0):
     lengths = LENGTHS[bsz] if lengths is None else lengths
     tail_len = q_len + tail_extra
-    inputs = list(random_layout(bsz, 2, group, q_len, head_dim, lengths, tail_len, tail_len + capacity_extra,
-                                dtype=dtype, seed=seed))  # fmt: skip
+    inputs = list(
+        random_layout(
+            bsz, 2, group, q_len, head_dim, lengths, tail_len, tail_len + capacity_extra, dtype=dtype, seed=seed
+        )
+    )
     inputs[4][:, :, tail_len:] = float("nan")  # reserved tail capacity: never read
     inputs[5][:, :, tail_len:] = float("nan")
     return inputs, tail_len
@@ -148,9 +151,11 @@ def test_gpu_backends_match_reference(dtype):
 def _flash_reference(q, k, v, scale, causal, cu_q=None, cu_k=None):
     """flash-attn's semantics: (out, lse, None); an empty key set gives out 0 and lse +inf, as flash-attn 2 does."""
     outs, lses = [], []
-    spans = [(0, q.shape[0], 0, k.shape[0])] if cu_q is None else [
-        (int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])) for i in range(len(cu_q) - 1)
-    ]  # fmt: skip
+    spans = (
+        [(0, q.shape[0], 0, k.shape[0])]
+        if cu_q is None
+        else [(int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])) for i in range(len(cu_q) - 1)]
+    )
     for q0, q1, k0, k1 in spans:
         qs, ks, vs = q[q0:q1].float(), k[k0:k1].float(), v[k0:k1].float()  # (Lq, Hq, d), (Lk, Hk, d)
         rep = qs.shape[1] // max(ks.shape[1], 1)

@@ -23,7 +23,7 @@ from kvpress_critical.analysis.presses import MODES, label, press_pairs
 from kvpress_critical.analysis.runner import analyze
 from kvpress_critical.analysis.samples import load_rows, samples_from_rows
 from kvpress_critical.analysis.summary import head_means, markdown_table, reduction_map, summarize, table_rows
-from kvpress_critical.demo import BASE_PRESSES
+from kvpress_critical.presses.catalogue import BASE_PRESSES
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,5 @@
 """Figures of a run (matplotlib, PNG), after the paper's figures 4, 5 and 6."""
 
-import logging
 from pathlib import Path
 
 import matplotlib
@@ -11,8 +10,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 from kvpress_critical.analysis.presses import PressPair  # noqa: E402
 from kvpress_critical.analysis.runner import SampleResult  # noqa: E402
 from kvpress_critical.analysis.summary import reduction_map  # noqa: E402
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["plot_all", "plot_layer_curves", "plot_reduction_maps", "plot_reduction_vs_cache"]
 

@@ -5,7 +5,6 @@ from typing import Callable
 
 from kvpress import AdaKVPress, BasePress, ScorerPress
 
-from kvpress_critical.demo import BASE_PRESSES
 from kvpress_critical.presses import (
     CriticalAdaKVPress,
     CriticalHeadKVPress,
@@ -14,6 +13,7 @@ from kvpress_critical.presses import (
     HeadKVPress,
     LayerDefensiveKVPress,
 )
+from kvpress_critical.presses.catalogue import BASE_PRESSES
 
 __all__ = ["MODES", "PressPair", "press_pairs"]
 
@@ -69,7 +69,7 @@ def press_pairs(
     Parameters
     ----------
     base : str or callable
-        A name from :data:`kvpress_critical.demo.BASE_PRESSES` (``"snapkv"``, ``"knorm"``,
+        A name from :data:`kvpress_critical.presses.catalogue.BASE_PRESSES` (``"snapkv"``, ``"knorm"``,
         ``"expected_attention"``) or ``ratio -> ScorerPress``.
     ratios : iterable of float
         Compression ratios (fraction evicted).

@@ -17,7 +17,6 @@ Definitions (see also :mod:`kvpress_critical.analysis.bounds`):
   cache, like the first decoding step of kvpress's pipeline).
 """
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -35,8 +34,6 @@ from kvpress_critical.analysis.fidelity import Fidelity, next_token_fidelity
 from kvpress_critical.analysis.presses import PressPair
 from kvpress_critical.analysis.samples import Sample
 from kvpress_critical.modeling import attention_modules, dense_linear_weight, get_o_proj
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["PressResult", "SampleResult", "analyze", "analyze_sample"]
 

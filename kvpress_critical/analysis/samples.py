@@ -6,7 +6,6 @@ suffix and answer prefix appended to the question), so the context compressed he
 pipeline compresses. The question is never seen while compressing.
 """
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,8 +13,6 @@ from types import SimpleNamespace
 import pandas as pd
 import torch
 from kvpress.pipeline import KVPressTextGenerationPipeline
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["Sample", "load_rows", "samples_from_rows"]
 

@@ -19,7 +19,6 @@ compact layer, and :class:`~kvpress_critical.presses.CompactCachePress` refuses 
 from __future__ import annotations
 
 import contextvars
-import logging
 import os
 from contextlib import contextmanager
 
@@ -29,8 +28,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvpress_critical.cache.compact import CompactKV
 from kvpress_critical.cache.convert import effective_window, keep_mask_from_indices
 from kvpress_critical.ops.ragged_attention import cu_seqlens_from_lengths, ragged_attention
-
-logger = logging.getLogger(__name__)
 
 _MARK = "_kvpress_critical_compact"
 _EXACT_MASKING = contextvars.ContextVar("kvpress_critical_exact_masking", default=False)

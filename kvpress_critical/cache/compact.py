@@ -158,9 +158,14 @@ class CompactLayer(CacheLayerMixin):
 
     @classmethod
     def from_keep_mask(
-        cls, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, reserve: int = DEFAULT_RESERVE,
-        positions: torch.Tensor | None = None, context_length: int | None = None,
-    ) -> "CompactLayer":  # fmt: skip
+        cls,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        keep: torch.Tensor,
+        reserve: int = DEFAULT_RESERVE,
+        positions: torch.Tensor | None = None,
+        context_length: int | None = None,
+    ) -> "CompactLayer":
         """
         Pack the entries ``keep`` marks of a dense ``(B, H_kv, T, d)`` layer.
 

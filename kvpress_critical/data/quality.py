@@ -1,7 +1,7 @@
 """The quality benchmark's data: facts planted in real prose (or generated filler), several questions per context.
 
 Each context is a haystack — consecutive sentences of the Python Language Reference (``haystack="prose"``,
-:mod:`kvpress_critical.data.prose`) or generated filler sentences (``haystack="synthetic"``, the generator of the
+:mod:`kvpress_critical.data.text`) or generated filler sentences (``haystack="synthetic"``, the generator of the
 RULER-style smoke data) — with planted facts for five RULER-like tasks, each asked by its own question:
 
 - ``niah_multikey``: four needles "The special magic word for <key> is <value>.", one key asked;
@@ -27,9 +27,9 @@ from typing import Sequence
 
 import pandas as pd
 
-from kvpress_critical.data import _words as words
-from kvpress_critical.data.prose import prose_passage
-from kvpress_critical.data.ruler import LENGTH_TOLERANCE, _essay_sentence, _fit, _insert, _unique
+from kvpress_critical.data import words
+from kvpress_critical.data.ruler import LENGTH_TOLERANCE, _fit, _insert, _unique
+from kvpress_critical.data.text import essay_sentence, prose_passage
 
 QUALITY_TASKS = ("niah_multikey", "niah_multiquery", "niah_multivalue", "qa_two_hop", "agg_frequency")
 HAYSTACKS = ("prose", "synthetic")
@@ -119,7 +119,7 @@ _INTRO = (
 def _haystack(haystack: str, rng: random.Random, n: int) -> list[str]:
     if haystack == "prose":
         return prose_passage(rng, n)
-    return [_essay_sentence(rng) for _ in range(n)]
+    return [essay_sentence(rng) for _ in range(n)]
 
 
 def _build(haystack: str, sample_seed: str, n: int, tasks: Sequence[str]) -> tuple[str, dict]:

@@ -38,7 +38,8 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 
 import pandas as pd
 
-from kvpress_critical.data import _words as words
+from kvpress_critical.data import words
+from kvpress_critical.data.text import essay_sentence, noise_sentences
 
 logger = logging.getLogger(__name__)
 
@@ -109,17 +110,6 @@ def _number(rng: random.Random) -> str:
     return str(rng.randint(1_000_000, 9_999_999))
 
 
-def _essay_sentence(rng: random.Random) -> str:
-    return (
-        f"{rng.choice(words.ESSAY_SUBJECTS)} {rng.choice(words.ESSAY_VERBS)} "
-        f"{rng.choice(words.ESSAY_OBJECTS)} {rng.choice(words.ESSAY_ENDINGS)}."
-    )
-
-
-def _noise(n: int) -> list[str]:
-    return [words.NOISE_SENTENCES[i % len(words.NOISE_SENTENCES)] for i in range(n)]
-
-
 def _insert(haystack: list[str], items: list[str], rng: random.Random) -> list[str]:
     """Insert ``items`` (in their order) at random sentence boundaries of ``haystack``."""
     slots = sorted(rng.choices(range(len(haystack) + 1), k=len(items)))
@@ -180,13 +170,13 @@ def _niah(spec: _NiahSpec, rng: random.Random, n: int) -> Sample:
     ]
     rng.shuffle(needles)
     if spec.haystack == "noise":
-        haystack = _noise(n)
+        haystack = noise_sentences(n)
     elif spec.haystack == "essay":
-        haystack = [_essay_sentence(rng) for _ in range(n)]
+        haystack = [essay_sentence(rng) for _ in range(n)]
     else:
         first = spec.n_keys * spec.n_values
         haystack = [needle(key, values[first + i]) for i, key in enumerate(keys[spec.n_keys :])]
-        haystack = _insert(haystack, _noise(n % 8), rng)
+        haystack = _insert(haystack, noise_sentences(n % 8), rng)
     text = " ".join(_insert(haystack, needles, rng))
 
     queried = keys[: spec.n_queries]
@@ -205,7 +195,7 @@ def _vt(rng: random.Random, n: int, hops: int = 4) -> Sample:
     names = _unique(lambda: "".join(rng.choices(string.ascii_uppercase, k=5)), hops + 1)
     value = str(rng.randint(10_000, 99_999))
     chain = [f"VAR {names[0]} = {value}"] + [f"VAR {names[i]} = VAR {names[i - 1]}" for i in range(1, hops + 1)]
-    text = " ".join(_insert(_noise(n), chain, rng))
+    text = " ".join(_insert(noise_sentences(n), chain, rng))
     context = f"Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{text}\n"
     question = f"Question: Find all variables that are assigned the value {value} in the text above. "
     answer_prefix = (

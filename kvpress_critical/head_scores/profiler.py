@@ -13,7 +13,7 @@ generated token inspects each query head's attention from the newest query over 
 
 A trial counts only when the answer is right (HeadKV keeps successful trials only; ``require_correct``), and each
 head's score list gets one value per counted trial. Here the haystacks are real prose (the Python Language Reference,
-:mod:`kvpress_critical.data.prose`) with three distractor needles of the same form (other keys, other values), the
+:mod:`kvpress_critical.data.text`) with three distractor needles of the same form (other keys, other values), the
 needle "The special magic word for <key> is <value>." at each depth, asked "What is the special magic word for
 <key>?" through the model's chat template. Attention is read in the attention function (any registered
 implementation, e.g. sdpa) from the post-RoPE query and keys: no eager attention is needed.
@@ -31,8 +31,8 @@ from tqdm import tqdm
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvpress_critical.data import _words as words
-from kvpress_critical.data.prose import prose_sentences
+from kvpress_critical.data import words
+from kvpress_critical.data.text import prose_sentences
 from kvpress_critical.modeling import decoder
 
 logger = logging.getLogger(__name__)
@@ -125,8 +125,10 @@ def _attention_probe(model, store: dict):
     """While active, store[layer] = (H, T) float32 attention of each query head's newest query (decoding steps)."""
     impl = model.config._attn_implementation
     if impl not in ALL_ATTENTION_FUNCTIONS:
-        raise ValueError(f"head profiling reads attention in a registered attention function; {impl!r} is not one "
-                         "(load the model with attn_implementation='sdpa')")  # fmt: skip
+        raise ValueError(
+            f"head profiling reads attention in a registered attention function; {impl!r} is not one "
+            "(load the model with attn_implementation='sdpa')"
+        )
     original = ALL_ATTENTION_FUNCTIONS[impl]
 
     def probe(module, query, key, value, attention_mask, *args, **kwargs):

@@ -57,8 +57,10 @@ class CompactCachePress(InnerPressMixin, BasePress):
 
     def __post_init__(self):
         if not isinstance(self.press, BasePress):
-            raise TypeError(f"CompactCachePress wraps a kvpress press, e.g. CompactCachePress(CriticalAdaKVPress("
-                            f"SnapKVPress(0.5))); got {type(self.press).__name__}")  # fmt: skip
+            raise TypeError(
+                f"CompactCachePress wraps a kvpress press, e.g. CompactCachePress(CriticalAdaKVPress("
+                f"SnapKVPress(0.5))); got {type(self.press).__name__}"
+            )
         refusal = compact_refusal(self.press)
         if refusal is not None:
             raise TypeError(f"CompactCachePress does not support {refusal}")

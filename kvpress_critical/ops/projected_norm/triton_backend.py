@@ -9,7 +9,6 @@ deterministic. Under the Triton interpreter the largest tiles are fastest (numpy
 """
 
 import contextlib
-import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -19,8 +18,6 @@ import triton.language as tl
 from kvpress_critical.ops.projected_norm.torch_backend import head_projections
 from kvpress_critical.ops.projected_norm.triton_kernel import get_kernel
 from kvpress_critical.ops.triton_utils import interpreter_enabled
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

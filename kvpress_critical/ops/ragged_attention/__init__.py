@@ -59,8 +59,9 @@ def _check_inputs(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_
     if query.dim() != 4:
         raise ValueError(f"query must be (batch, heads, q_len, head_dim), got shape {tuple(query.shape)}")
     if keys.dim() != 2 or keys.shape != values.shape:
-        raise ValueError(f"keys and values must be packed (entries, head_dim), got {tuple(keys.shape)}, "
-                         f"{tuple(values.shape)}")  # fmt: skip
+        raise ValueError(
+            f"keys and values must be packed (entries, head_dim), got {tuple(keys.shape)}, {tuple(values.shape)}"
+        )
     if tail_keys.dim() != 4 or tail_keys.shape != tail_values.shape:
         raise ValueError(
             f"tail keys/values must be (batch, kv_heads, capacity, head_dim), got {tuple(tail_keys.shape)}"
@@ -72,8 +73,10 @@ def _check_inputs(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_
     if num_kv_heads == 0 or heads % num_kv_heads:
         raise ValueError(f"the query's {heads} heads are not a multiple of the cache's {num_kv_heads} KV heads")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() != bsz * num_kv_heads + 1:
-        raise ValueError(f"cu_seqlens must have batch * kv_heads + 1 = {bsz * num_kv_heads + 1} entries, got "
-                         f"{tuple(cu_seqlens.shape)}")  # fmt: skip
+        raise ValueError(
+            f"cu_seqlens must have batch * kv_heads + 1 = {bsz * num_kv_heads + 1} entries, got "
+            f"{tuple(cu_seqlens.shape)}"
+        )
     if cu_seqlens.device.type == "cpu":  # (the compact layer keeps it on the host: checking costs no sync)
         steps = cu_seqlens[1:] - cu_seqlens[:-1]
         if int(cu_seqlens[0]) != 0 or bool((steps < 0).any()) or int(cu_seqlens[-1]) != keys.shape[0]:

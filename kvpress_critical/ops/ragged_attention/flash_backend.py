@@ -78,9 +78,17 @@ def ragged_attention_flash(query, keys, values, cu_seqlens, tail_keys, tail_valu
         cu_q = torch.arange(0, segments + 1, device=device, dtype=torch.int32) * q_len
         max_k = int(lengths.max()) if max_seqlen is None else int(max_seqlen)
         out, lse, _ = flash_attn_varlen_func(
-            q_var, keys.unsqueeze(1), values.unsqueeze(1), cu_q, cu, q_len, max_k,
-            softmax_scale=scale, causal=False, return_attn_probs=True,
-        )  # fmt: skip
+            q_var,
+            keys.unsqueeze(1),
+            values.unsqueeze(1),
+            cu_q,
+            cu,
+            q_len,
+            max_k,
+            softmax_scale=scale,
+            causal=False,
+            return_attn_probs=True,
+        )
         lse = _lse_varlen(lse, group, segments * q_len).float()  # (S * q, G)
         empty = (lengths == 0).repeat_interleave(q_len).unsqueeze(-1)  # segments without context entries
         lse = lse.masked_fill(empty, float("-inf"))

@@ -41,8 +41,9 @@ def ragged_attention_triton(query, keys, values, cu_seqlens, tail_keys, tail_val
         return out
     block_m, block_n, block_d, warps, stages = _blocks(rows, head_dim)
     # enough programs to fill the GPU even with a few segments (decoding: B * H_kv may be 8)
-    target_programs = 4 * (torch.cuda.get_device_properties(query.device).multi_processor_count
-                           if query.device.type == "cuda" else 1)  # fmt: skip
+    target_programs = 4 * (
+        torch.cuda.get_device_properties(query.device).multi_processor_count if query.device.type == "cuda" else 1
+    )
     row_blocks = triton.cdiv(rows, block_m)
     n_splits = max(1, min(triton.cdiv(longest, block_n), triton.cdiv(target_programs, segments * row_blocks)))
     chunk = triton.cdiv(triton.cdiv(longest, n_splits), block_n) * block_n
@@ -57,13 +58,36 @@ def ragged_attention_triton(query, keys, values, cu_seqlens, tail_keys, tail_val
     guard = torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext()
     with guard:
         get_attention_kernel()[(segments, n_splits, row_blocks)](
-            query, keys, values, cu, tail_keys, tail_values, partial_o, partial_ml,
-            *query.stride(), *keys.stride(), *values.stride(), *tail_keys.stride(), *tail_values.stride(),
-            num_kv_heads, group, q_len, head_dim, tail_len, float(scale), chunk, n_splits, rows_pad,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, COMPUTE_DTYPE=compute,
+            query,
+            keys,
+            values,
+            cu,
+            tail_keys,
+            tail_values,
+            partial_o,
+            partial_ml,
+            *query.stride(),
+            *keys.stride(),
+            *values.stride(),
+            *tail_keys.stride(),
+            *tail_values.stride(),
+            num_kv_heads,
+            group,
+            q_len,
+            head_dim,
+            tail_len,
+            float(scale),
+            chunk,
+            n_splits,
+            rows_pad,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            COMPUTE_DTYPE=compute,
             INPUT_PRECISION="tf32" if sixteen else "ieee",
-            num_warps=warps, num_stages=stages,
-        )  # fmt: skip
+            num_warps=warps,
+            num_stages=stages,
+        )
     # merge the splits of every (segment, row): log-sum-exp weights
     m, denom = partial_ml[:, :, :rows, 0], partial_ml[:, :, :rows, 1]  # (S, n_splits, rows)
     peak = m.amax(1, keepdim=True)

@@ -19,17 +19,37 @@ def _ragged_attention(
     tv_ptr,  # (B, H_kv, C, d) tail values, strides su_*
     o_ptr,  # (S, n_splits, rows_pad, d) float32 partial outputs
     ml_ptr,  # (S, n_splits, rows_pad, 2) float32 partial (max, sum)
-    sq_b, sq_h, sq_i, sq_d,
-    sk_n, sk_d, sv_n, sv_d,
-    st_b, st_h, st_t, st_d,
-    su_b, su_h, su_t, su_d,
-    num_kv_heads, group, q_len, head_dim, tail_len, scale, chunk, n_splits, rows_pad,
+    sq_b,
+    sq_h,
+    sq_i,
+    sq_d,
+    sk_n,
+    sk_d,
+    sv_n,
+    sv_d,
+    st_b,
+    st_h,
+    st_t,
+    st_d,
+    su_b,
+    su_h,
+    su_t,
+    su_d,
+    num_kv_heads,
+    group,
+    q_len,
+    head_dim,
+    tail_len,
+    scale,
+    chunk,
+    n_splits,
+    rows_pad,
     BLOCK_M: tl.constexpr,  # problem rows (g, i) per program
     BLOCK_N: tl.constexpr,  # entries per step
     BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two (masked)
     COMPUTE_DTYPE: tl.constexpr,  # operand dtype of the dots (fp32 accumulation)
     INPUT_PRECISION: tl.constexpr,  # "ieee" for float32 operands (Triton's default would be tf32)
-):  # fmt: skip
+):
     # program (segment s, split of its entries, block of rows): partial softmax attention over entries
     # [split * chunk, (split + 1) * chunk) of the segment's virtual sequence "context entries, then tail"
     s = tl.program_id(0)
@@ -64,8 +84,9 @@ def _ragged_attention(
         ctx_mask = (valid & in_ctx)[:, None] & d_mask[None, :]
         tail_mask = (valid & (idx >= n_ctx))[:, None] & d_mask[None, :]
         kc = tl.load(k_ptr + (start + idx)[:, None] * sk_n + offs_d[None, :] * sk_d, mask=ctx_mask, other=0.0)
-        kt = tl.load(tk_ptr + b * st_b + kv * st_h + tpos[:, None] * st_t + offs_d[None, :] * st_d, mask=tail_mask,
-                     other=0.0)  # fmt: skip
+        kt = tl.load(
+            tk_ptr + b * st_b + kv * st_h + tpos[:, None] * st_t + offs_d[None, :] * st_d, mask=tail_mask, other=0.0
+        )
         k = tl.where(in_ctx[:, None], kc.to(COMPUTE_DTYPE), kt.to(COMPUTE_DTYPE))  # (BLOCK_N, BLOCK_D)
         scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION, out_dtype=tl.float32) * scale  # (M, N)
         visible = valid[None, :] & (in_ctx[None, :] | (tpos[None, :] <= last_visible[:, None]))
@@ -75,8 +96,9 @@ def _ragged_attention(
         alpha = tl.exp(m - m_safe)
         p = tl.exp(scores - m_safe[:, None])
         vc = tl.load(v_ptr + (start + idx)[:, None] * sv_n + offs_d[None, :] * sv_d, mask=ctx_mask, other=0.0)
-        vt = tl.load(tv_ptr + b * su_b + kv * su_h + tpos[:, None] * su_t + offs_d[None, :] * su_d, mask=tail_mask,
-                     other=0.0)  # fmt: skip
+        vt = tl.load(
+            tv_ptr + b * su_b + kv * su_h + tpos[:, None] * su_t + offs_d[None, :] * su_d, mask=tail_mask, other=0.0
+        )
         v = tl.where(in_ctx[:, None], vc.to(COMPUTE_DTYPE), vt.to(COMPUTE_DTYPE))
         acc = acc * alpha[:, None] + tl.dot(
             p.to(COMPUTE_DTYPE), v, input_precision=INPUT_PRECISION, out_dtype=tl.float32

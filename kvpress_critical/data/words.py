@@ -1,4 +1,4 @@
-"""Word lists of the offline RULER-style generator (plain English, no external corpus needed)."""
+"""Word lists of the offline generators (plain English, no external corpus needed): data, no code but a splitter."""
 
 
 def _phrases(text: str) -> list[str]:

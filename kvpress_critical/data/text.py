@@ -1,19 +1,26 @@
-"""Real English prose available offline everywhere: the Python Language Reference that ships with CPython.
+"""Filler text for the offline datasets, the demo and the tests: one module for every kind of haystack.
 
-Every CPython installation carries ``pydoc_data.topics`` (what ``help("if")`` prints): the reference chapters on the
-language's statements, expressions and data model, written by people for people. On Python 3.11 it holds 79 topics,
-465 KB of text. :func:`prose_sentences` keeps its prose only: code examples, grammar productions, tables, headings
-and footnotes are dropped, paragraphs are re-joined and split into sentences, and sentences that are mostly
-punctuation or identifiers are left out. The result (about 2,300 sentences, ~80K tokens of SmolLM2) is the haystack
-of the quality benchmark (:mod:`kvpress_critical.data.quality`): natural text whose statistics a language model
-knows, unlike generated filler.
+- Real English prose, available offline everywhere: the Python Language Reference that ships with CPython. Every
+  CPython installation carries ``pydoc_data.topics`` (what ``help("if")`` prints): the reference chapters on the
+  language's statements, expressions and data model, written by people for people. On Python 3.11 it holds 79
+  topics, 465 KB of text. :func:`prose_sentences` keeps its prose only: code examples, grammar productions, tables,
+  headings and footnotes are dropped, paragraphs are re-joined and split into sentences, and sentences that are
+  mostly punctuation or identifiers are left out. The result (about 2,300 sentences, ~80K tokens of SmolLM2) is the
+  haystack of the quality benchmark (:mod:`kvpress_critical.data.quality`): natural text whose statistics a language
+  model knows, unlike generated filler.
+- Generated sentences from the word lists of :mod:`kvpress_critical.data.words`: :func:`essay_sentence` (RULER's
+  "essay" haystack), :func:`noise_sentences` (RULER's repeated "noise"), and :func:`haystack_context` (short
+  sentences around one needle, for tests and benchmarks that need a context of a given length).
 """
 
 from __future__ import annotations
 
 import functools
 import platform
+import random
 import re
+
+from kvpress_critical.data import words
 
 SOURCE = "pydoc_data.topics (the Python Language Reference shipped with CPython)"
 
@@ -90,3 +97,30 @@ def prose_passage(rng, n_sentences: int) -> list[str]:
     sentences = prose_sentences()
     start = rng.randrange(len(sentences))
     return [sentences[(start + i) % len(sentences)] for i in range(n_sentences)]
+
+
+def essay_sentence(rng: random.Random) -> str:
+    """One sentence of RULER's "essay" haystack: subject, verb, object and ending drawn from the word lists."""
+    return (
+        f"{rng.choice(words.ESSAY_SUBJECTS)} {rng.choice(words.ESSAY_VERBS)} "
+        f"{rng.choice(words.ESSAY_OBJECTS)} {rng.choice(words.ESSAY_ENDINGS)}."
+    )
+
+
+def noise_sentences(n: int) -> list[str]:
+    """``n`` sentences of RULER's "noise" haystack (the same five sentences, repeated)."""
+    return [words.NOISE_SENTENCES[i % len(words.NOISE_SENTENCES)] for i in range(n)]
+
+
+# the short sentences of haystack_context: the first ten subjects, verbs and objects of the essay haystack
+_SHORT = (words.ESSAY_SUBJECTS[:10], words.ESSAY_VERBS[:10], words.ESSAY_OBJECTS[:10])
+
+
+def haystack_context(tokenizer, n_tokens: int, needle: str, depth: float = 0.5, seed: int = 0) -> str:
+    """About ``n_tokens`` tokens of varied short sentences with ``needle`` inserted at ``depth`` (deterministic)."""
+    rng = random.Random(seed)
+    sentences: list[str] = []
+    while len(tokenizer(" ".join(sentences)).input_ids) < n_tokens:
+        sentences.extend(" ".join(rng.choice(part) for part in _SHORT) + "." for _ in range(20))
+    sentences.insert(int(len(sentences) * depth), needle)
+    return " ".join(sentences)
