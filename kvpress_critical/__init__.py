@@ -1,10 +1,13 @@
 """kvpress-critical: CriticalKV (arXiv 2502.03805) as a first-class, fast extension of NVIDIA's kvpress.
 
-Importing this package imports kvpress, which registers the ``"kv-press-text-generation"`` pipeline and
-patches attention functions for head-wise masking. The ops (``kvpress_critical.ops``: the projected-value
-norm and its backends) need only torch: where kvpress is not installed (e.g. a GPU machine checking the
-kernels), the package still imports and the presses raise an ``ImportError`` that says what to install.
+The presses import kvpress when they are first used (``from kvpress_critical import CriticalKVPress``), which
+registers kvpress's ``"kv-press-text-generation"`` pipeline and patches attention functions for head-wise masking.
+The ops (:mod:`kvpress_critical.ops`: the projected-value norm, the ragged attention of the compact cache, their
+backends) need only torch: ``import kvpress_critical`` and the ops work where kvpress is not installed (a GPU machine
+checking the kernels), and a press asked for there raises an ``ImportError`` that says what to install.
 """
+
+import importlib
 
 from kvpress_critical._version import __version__
 from kvpress_critical.ops import available_backends, projected_value_norm
@@ -20,31 +23,26 @@ _PRESSES = (
     "LayerDefensiveKVPress",
 )
 
-try:
-    import kvpress  # noqa: F401  (registers the pipeline and the attention patch)
-except ImportError as error:  # the ops work without kvpress; the presses do not
-    _KVPRESS_ERROR: ImportError | None = error
-else:
-    _KVPRESS_ERROR = None
-    from kvpress_critical.presses import (  # noqa: F401
-        ChunkedPrefillPress,
-        CompactCachePress,
-        CriticalAdaKVPress,
-        CriticalHeadKVPress,
-        CriticalKVPress,
-        DefensiveKVPress,
-        HeadKVPress,
-        LayerDefensiveKVPress,
-    )
-
 __all__ = [*_PRESSES, "__version__", "available_backends", "projected_value_norm"]
 
 
 def __getattr__(name: str):
-    if name in _PRESSES and _KVPRESS_ERROR is not None:
+    if name not in _PRESSES:
+        raise AttributeError(f"module 'kvpress_critical' has no attribute {name!r}")
+    try:
+        presses = importlib.import_module("kvpress_critical.presses")
+    except ImportError as error:
+        if error.name is None or not error.name.startswith("kvpress") or error.name.startswith("kvpress_critical"):
+            raise
         raise ImportError(
-            f"kvpress_critical.{name} needs kvpress, which failed to import ({_KVPRESS_ERROR}). Install it with "
+            f"kvpress_critical.{name} needs kvpress, which failed to import ({error}). Install it with "
             "`pip install 'kvpress>=0.5.5,<0.6'` (it needs transformers>=4.56,<5.3); the ops in "
             "kvpress_critical.ops work without it."
-        ) from _KVPRESS_ERROR
-    raise AttributeError(f"module 'kvpress_critical' has no attribute {name!r}")
+        ) from error
+    value = getattr(presses, name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PRESSES))

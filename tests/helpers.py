@@ -1,4 +1,9 @@
-"""Shared test utilities: tiny config-built models and observing what a press keeps."""
+"""Shared test utilities: tiny config-built models, observing what a press keeps, running the evaluation driver."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -117,3 +122,44 @@ def tiny_model(
     model = model.to(dtype).eval()
     _MODEL_CACHE[key] = model
     return model
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def evaluate(*args: str, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    """``bash evaluation/evaluate.sh ARGS`` from the repository, offline, with this interpreter."""
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHON=sys.executable, **(env or {}))
+    command = ["bash", str(REPO / "evaluation" / "evaluate.sh"), *args]
+    return subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+# The evaluation tests' smoke preset (conftest's smoke_sweep runs it once per session with the local launcher).
+SMOKE_MODEL = "SmolLM2-135M-Instruct"
+SMOKE_PRESET = {
+    "models": ["embedded"],
+    "datasets": [
+        {
+            "dataset": "ruler_offline",
+            "data_dir": "384",
+            "generate": {
+                "context_length": 384,
+                "n_samples": 1,
+                "tasks": ["niah_single_2", "niah_multikey_1"],
+                "seed": 0,
+                "max_new_tokens": {"niah": 16},
+            },
+        },
+    ],
+    # kvpress's runner rejects duo_attention without head_compression_ratio: a configuration that fails
+    "presses": ["no_press", "duo_attention", "critical_snapkv", "critical_adakv_snapkv"],
+    "compression_ratios": [0.5],
+    "device": "cpu",
+    "model_kwargs": {"attn_implementation": "sdpa", "dtype": "float32"},
+}
+SMOKE_GOOD = [
+    f"ruler_offline__384__{SMOKE_MODEL}__no_press__0.00",
+    f"ruler_offline__384__{SMOKE_MODEL}__critical_snapkv__0.50",
+    f"ruler_offline__384__{SMOKE_MODEL}__critical_adakv_snapkv__0.50",
+]
+SMOKE_FAILING = f"ruler_offline__384__{SMOKE_MODEL}__duo_attention__0.50"

@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import kept_masks, tiny_model
 from kvpress import SnapKVPress
-from test_backends import usable
+from op_helpers import usable
 
 from kvpress_critical import CriticalAdaKVPress, CriticalKVPress
 from kvpress_critical.ops import projected_norm as dispatch

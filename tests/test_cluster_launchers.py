@@ -8,69 +8,14 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import yaml
+from helpers import REPO, SMOKE_FAILING, SMOKE_GOOD, evaluate
 
-REPO = Path(__file__).resolve().parent.parent
-MODEL = "SmolLM2-135M-Instruct"
-TINY = {
-    "models": ["embedded"],
-    "datasets": [
-        {
-            "dataset": "ruler_offline",
-            "data_dir": "256",
-            "generate": {
-                "context_length": 256,
-                "n_samples": 1,
-                "tasks": ["niah_single_2"],
-                "seed": 0,
-                "max_new_tokens": {"niah": 8},
-            },
-        }
-    ],
-    # duo_attention fails in kvpress's runner without head_compression_ratio: the configuration made to fail
-    "presses": ["no_press", "critical_snapkv", "duo_attention"],
-    "compression_ratios": [0.5],
-    "device": "cpu",
-    "model_kwargs": {"attn_implementation": "sdpa", "dtype": "float32"},
-}
-GOOD = [f"ruler_offline__256__{MODEL}__no_press__0.00", f"ruler_offline__256__{MODEL}__critical_snapkv__0.50"]
-FAILING = f"ruler_offline__256__{MODEL}__duo_attention__0.50"
+# the shared smoke sweep (conftest's smoke_sweep) is the local launcher's reference; the launchers run three of its
+# configurations: the full cache, CriticalKV and the one made to fail
+GOOD, FAILING = SMOKE_GOOD[:2], SMOKE_FAILING
+PRESSES = "no_press,critical_snapkv,duo_attention"
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # Ray runs its tasks niced: not beside another test worker
-
-
-def evaluate(*args, env=None, timeout=900):
-    full_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHON=sys.executable, **(env or {}))
-    command = ["bash", str(REPO / "evaluation" / "evaluate.sh"), *args]
-    return subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def tiny_preset(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("preset")
-    path = folder / "tiny.yaml"
-    path.write_text(yaml.safe_dump(TINY))
-    return path
-
-
-@pytest.fixture(scope="module")
-def local_results(tiny_preset, tmp_path_factory):
-    out = tmp_path_factory.mktemp("local") / "results"
-    # the two configurations the Ray run is compared on: one round of two workers
-    result = evaluate(
-        "--preset",
-        str(tiny_preset),
-        "--output-dir",
-        str(out),
-        "--workers",
-        "2",
-        "--threads",
-        "1",
-        "--presses",
-        "no_press,critical_snapkv",
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return out
 
 
 def predictions(folder: Path) -> pd.DataFrame:
@@ -78,10 +23,13 @@ def predictions(folder: Path) -> pd.DataFrame:
     return frame[sorted(frame.columns)].sort_values(list(sorted(frame.columns))).reset_index(drop=True)
 
 
-def test_ray_launcher(tiny_preset, local_results, tmp_path):
+def test_ray_launcher(smoke_sweep, tmp_path):
     pytest.importorskip("ray", reason="ray is in the cluster extra: pip install -e '.[cluster]'")
+    preset, local_results, _ = smoke_sweep
     out = tmp_path / "results"
-    first = evaluate("--preset", str(tiny_preset), "--output-dir", str(out), "--launcher", "ray", "--threads", "1")
+    first = evaluate(
+        "--preset", str(preset), "--output-dir", str(out), "--presses", PRESSES, "--launcher", "ray", "--threads", "1"
+    )
     log = first.stdout + first.stderr
     assert first.returncode == 1, log[-3000:]  # one configuration failed; the sweep went on
     for name in GOOD:  # the others published, identical to the local launcher's results
@@ -99,7 +47,7 @@ def test_ray_launcher(tiny_preset, local_results, tmp_path):
     stamps = {name: (out / name / "predictions.csv").stat().st_mtime_ns for name in GOOD}
     second = evaluate(
         "--preset",
-        str(tiny_preset),
+        str(preset),
         "--output-dir",
         str(out),
         "--launcher",
@@ -163,9 +111,11 @@ def test_slurm_array_for_the_paper_preset(tmp_path):
     assert "sbatch" in result.stdout
 
 
-def test_slurm_task_by_hand_and_status(tiny_preset, tmp_path):
+def test_slurm_task_by_hand_and_status(smoke_sweep, tmp_path):
+    preset, local_results, _ = smoke_sweep
     out = tmp_path / "results"
-    written = evaluate("--preset", str(tiny_preset), "--output-dir", str(out), "--launcher", "slurm", "--no-submit")
+    args = ("--preset", str(preset), "--output-dir", str(out), "--presses", PRESSES, "--launcher", "slurm")
+    written = evaluate(*args, "--no-submit")
     assert written.returncode == 0, written.stderr[-3000:]
     manifest = next((out / "slurm").glob("sweep-*.json"))
     entries = json.loads(manifest.read_text())["configurations"]
@@ -188,7 +138,8 @@ def test_slurm_task_by_hand_and_status(tiny_preset, tmp_path):
     )
     assert task.returncode == 0, task.stderr[-3000:]
     published = [p.name for p in out.iterdir() if (p / "config.yaml").is_file()]
-    assert published == [GOOD[1]]  # that configuration only
+    assert published == [GOOD[1]]  # that configuration only, the same as the local launcher's
+    pd.testing.assert_frame_equal(predictions(out / GOOD[1]), predictions(local_results / GOOD[1]))
     env["SLURM_ARRAY_TASK_ID"] = str(index[FAILING])
     failing = subprocess.run(
         [sys.executable, "-m", "evaluation.slurm", "run", str(manifest)],
@@ -199,12 +150,12 @@ def test_slurm_task_by_hand_and_status(tiny_preset, tmp_path):
         timeout=900,
     )
     assert failing.returncode == 1 and (out / "failed" / f"{FAILING}.txt").is_file()
-    status = evaluate("--preset", str(tiny_preset), "--output-dir", str(out), "--launcher", "slurm", "--status")
+    status = evaluate(*args, "--status")
     text = status.stdout
     assert "1 finished, 1 failed, 1 missing" in text, text
     assert f"failed:  {FAILING}" in text and f"missing: {GOOD[0]}" in text
     # a resubmission writes an array of what is missing or failed only
-    again = evaluate("--preset", str(tiny_preset), "--output-dir", str(out), "--launcher", "slurm", "--no-submit")
+    again = evaluate(*args, "--no-submit")
     newest = max((out / "slurm").glob("sweep-*.json"), key=lambda p: p.stat().st_mtime_ns)
     assert again.returncode == 0
     assert sorted(e["name"] for e in json.loads(newest.read_text())["configurations"]) == sorted([GOOD[0], FAILING])

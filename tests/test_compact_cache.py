@@ -328,35 +328,28 @@ def test_smollm2_logits_and_answers_match_the_masking_layout(smollm2, smollm2_pi
     needles = ["The secret passphrase for the archive is violet-harbor-42.", "The lighthouse keeper is named Oskar."]
     questions = ["What is the secret passphrase for the archive?", "What is the name of the lighthouse keeper?"]
     for seed, ratio in cases:
-        context = haystack_context(tokenizer, 500, needles[seed % 2], seed=seed)
+        context = haystack_context(tokenizer, 300, needles[seed % 2], seed=seed)
         inputs = pipe.preprocess(context, questions, "", max_context_length=10**6)
         ids, question = inputs["context_ids"], inputs["questions_ids"][0]
+        # greedy answers through kvpress's unchanged pipeline, several questions (each answer removed afterwards);
+        # the caches it leaves (the context, compressed) then give the logits of the same continuation
         masked = DynamicCache()
-        with press_cls(SnapKVPress(ratio))(model):
-            model.model(input_ids=ids, past_key_values=masked)
+        plain = pipe(context, questions=questions, press=press_cls(SnapKVPress(ratio)), max_new_tokens=8, cache=masked)
         expected = logits_after(model, masked, ids.shape[1], question, [100, 200, 300])
         for m in attention_modules(model):
             m.masked_key_indices = None
-        compact = compact_cache(model, ids, CompactCachePress(press_cls(SnapKVPress(ratio))))
+        compact = DynamicCache()
+        press = CompactCachePress(press_cls(SnapKVPress(ratio)))
+        compacted = pipe(context, questions=questions, press=press, max_new_tokens=8, cache=compact)
+        assert compacted["answers"] == plain["answers"], f"ratio {ratio}"
         assert all(isinstance(layer, CompactLayer) for layer in compact.layers)
+        n_kept = int(ids.shape[1] * (1 - ratio))
+        lengths = [layer.get_seq_length() for layer in compact.layers]
+        assert lengths == [ids.shape[1]] * len(compact.layers) and all(x.tail_len == 0 for x in compact.layers)
+        assert all(int(layer.packed_keys.shape[0]) == 3 * n_kept for layer in compact.layers)
         got = logits_after(model, compact, ids.shape[1], question, [100, 200, 300])
         for step, (a, b) in enumerate(zip(got, expected)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-4, msg=lambda m: f"ratio {ratio} step {step}: {m}")
-        # greedy answers through kvpress's unchanged pipeline, several questions (each answer removed afterwards)
-        plain = pipe(context, questions=questions, press=press_cls(SnapKVPress(ratio)), max_new_tokens=12)
-        cache = DynamicCache()
-        compacted = pipe(
-            context,
-            questions=questions,
-            press=CompactCachePress(press_cls(SnapKVPress(ratio))),
-            max_new_tokens=12,
-            cache=cache,
-        )
-        assert compacted["answers"] == plain["answers"], f"ratio {ratio}"
-        n_kept = int(ids.shape[1] * (1 - ratio))
-        lengths = [layer.get_seq_length() for layer in cache.layers]
-        assert lengths == [ids.shape[1]] * len(cache.layers) and all(x.tail_len == 0 for x in cache.layers)  # removed
-        assert all(int(layer.packed_keys.shape[0]) == 3 * n_kept for layer in cache.layers)
 
 
 def test_kvpress_fake_key_can_leak_where_the_compact_layout_is_exact(monkeypatch):

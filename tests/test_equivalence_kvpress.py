@@ -92,13 +92,19 @@ def test_batch_rows_match_kvpress_per_row(pair):
             kept_masks(model, ids, theirs_cls(SnapKVPress(0.6)))
 
 
+@pytest.fixture(scope="module")
+def smollm2_prefill(smollm2):
+    """800 tokens of SmolLM2 and their full-cache keys (shared by the cases below)."""
+    ids = unique_ids(1, 800, vocab=49152, seed=4)
+    return ids, prefill_keys(smollm2[0], ids)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("base, ratio", [("snapkv", 0.1), ("snapkv", 0.9), ("knorm", 0.5), ("expected_attention", 0.7)])
-def test_smollm2_matches_kvpress(smollm2, base, ratio):
+def test_smollm2_matches_kvpress(smollm2, smollm2_prefill, base, ratio):
     """SmolLM2 with 800 tokens; SnapKV's window is 16 so that it fits in the safeguard budget (>= 16)."""
     model, _ = smollm2
-    ids = unique_ids(1, 800, vocab=49152, seed=4)
-    original = prefill_keys(model, ids)
+    ids, original = smollm2_prefill
     make = (lambda r: SnapKVPress(r, window_size=16)) if base == "snapkv" else BASES[base]
     for ours_cls, theirs_cls in PAIRS.values():
         mine = assert_same_selection(model, ids, ours_cls(make(ratio)), theirs_cls(make(ratio)), original)

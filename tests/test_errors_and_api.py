@@ -2,6 +2,8 @@
 
 import dataclasses
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -215,3 +217,22 @@ def test_quantized_o_proj_in_a_model():
             module_projected_norm(attn, values, "l1", "auto")
     finally:
         attn.o_proj = o_proj
+
+
+def test_the_ops_import_without_kvpress_and_the_presses_say_what_to_install():
+    """`import kvpress_critical` and the ops need torch only; a press asked for without kvpress names the fix."""
+    script = (
+        "import sys\n"
+        "sys.modules['kvpress'] = None  # as if kvpress were not installed\n"
+        "import torch, kvpress_critical\n"
+        "from kvpress_critical.ops import projected_value_norm\n"
+        "assert projected_value_norm(torch.ones(1, 1, 3, 4), torch.ones(5, 8), 2, backend='torch').shape == (1, 1, 3)\n"
+        "assert 'kvpress' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+        "try:\n"
+        "    kvpress_critical.CriticalKVPress\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "needs kvpress" in run.stdout and "pip install 'kvpress>=0.5.5,<0.6'" in run.stdout

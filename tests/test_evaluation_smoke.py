@@ -1,70 +1,29 @@
 """
 The smoke sweep end to end: `bash evaluation/evaluate.sh` with a tiny preset, the real SmolLM2, kvpress's
-own runner from its downloaded sdist, and our presses. Checks the results folders (kvpress's layout and
-names), the parsed metrics, the aggregate tables, resume on a second run, and failure isolation.
+own runner from its sdist, and our presses (the sweep runs once per session: conftest's smoke_sweep). Checks
+the results folders (kvpress's layout and names), the parsed metrics, the aggregate tables, resume on a second run,
+and failure isolation.
 """
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
+from helpers import SMOKE_FAILING, SMOKE_GOOD, SMOKE_MODEL, evaluate
 
-REPO = Path(__file__).resolve().parent.parent
-MODEL = "SmolLM2-135M-Instruct"
-PRESET = {
-    "models": ["embedded"],
-    "datasets": [
-        {
-            "dataset": "ruler_offline",
-            "data_dir": "384",
-            "generate": {
-                "context_length": 384,
-                "n_samples": 1,
-                "tasks": ["niah_single_2", "niah_multikey_1"],
-                "seed": 0,
-                "max_new_tokens": {"niah": 16},
-            },
-        },
-    ],
-    # kvpress's runner rejects duo_attention without head_compression_ratio: a configuration that fails
-    "presses": ["no_press", "duo_attention", "critical_snapkv", "critical_adakv_snapkv"],
-    "compression_ratios": [0.5],
-    "device": "cpu",
-    "model_kwargs": {"attn_implementation": "sdpa", "dtype": "float32"},
-}
-GOOD = [
-    f"ruler_offline__384__{MODEL}__no_press__0.00",
-    f"ruler_offline__384__{MODEL}__critical_snapkv__0.50",
-    f"ruler_offline__384__{MODEL}__critical_adakv_snapkv__0.50",
-]
-FAILING = f"ruler_offline__384__{MODEL}__duo_attention__0.50"
+GOOD, FAILING = SMOKE_GOOD, SMOKE_FAILING
+pytestmark = pytest.mark.slow
 
 
 def sweep(preset: Path, output: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHON=sys.executable)
-    command = ["bash", str(REPO / "evaluation" / "evaluate.sh"), "--preset", str(preset), "--output-dir", str(output)]
-    command += ["--workers", "2", "--threads", "1", *extra]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return evaluate("--preset", str(preset), "--output-dir", str(output), "--workers", "2", "--threads", "1", *extra)
 
 
-@pytest.fixture(scope="module")
-def first_run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("smoke")
-    preset = folder / "tiny.yaml"
-    preset.write_text(yaml.safe_dump(PRESET))
-    output = folder / "results"
-    result = sweep(preset, output)
-    return preset, output, result
-
-
-@pytest.mark.slow
-def test_dry_run_lists_jobs_in_kvpress_naming(first_run, tmp_path):
-    preset, _, _ = first_run
+def test_dry_run_lists_jobs_in_kvpress_naming(smoke_sweep, tmp_path):
+    preset, _, _ = smoke_sweep
     result = sweep(preset, tmp_path / "dry", "--dry-run")
     assert result.returncode == 0, result.stderr
     for name in GOOD + [FAILING]:
@@ -72,9 +31,8 @@ def test_dry_run_lists_jobs_in_kvpress_naming(first_run, tmp_path):
     assert not any((tmp_path / "dry").glob("ruler_offline__*"))
 
 
-@pytest.mark.slow
-def test_sweep_produces_kvpress_results_and_isolates_failures(first_run):
-    _, output, result = first_run
+def test_sweep_produces_kvpress_results_and_isolates_failures(smoke_sweep):
+    _, output, result = smoke_sweep
     log = result.stdout + result.stderr
     assert result.returncode == 1, log  # a configuration failed...
     for name in GOOD:  # ...and the others ran anyway, in kvpress's layout
@@ -93,12 +51,11 @@ def test_sweep_produces_kvpress_results_and_isolates_failures(first_run):
     assert not any((output / ".staging").iterdir())
 
 
-@pytest.mark.slow
-def test_press_reprs_are_complete_in_config(first_run):
-    _, output, _ = first_run
+def test_press_reprs_are_complete_in_config(smoke_sweep):
+    _, output, _ = smoke_sweep
     config = yaml.safe_load((output / GOOD[1] / "config.yaml").read_text())
     assert config["press_name"] == "critical_snapkv" and config["compression_ratio"] == 0.5
-    assert config["model"] == MODEL and config["dataset"] == "ruler_offline" and config["data_dir"] == "384"
+    assert config["model"] == SMOKE_MODEL and config["dataset"] == "ruler_offline" and config["data_dir"] == "384"
     assert config["output_dir"] == str(output)  # the published folder, not the staging one
     command = config["press_init_command"]
     assert command.startswith("CriticalKVPress(") and "press=SnapKVPress(compression_ratio=0.5, window_size=" in command
@@ -109,9 +66,8 @@ def test_press_reprs_are_complete_in_config(first_run):
     assert "alpha_safeguard=" in ada
 
 
-@pytest.mark.slow
-def test_aggregate_tables_from_the_sweep(first_run):
-    _, output, _ = first_run
+def test_aggregate_tables_from_the_sweep(smoke_sweep):
+    _, output, _ = smoke_sweep
     summary = pd.read_csv(output / "summary" / "summary.csv")
     assert set(summary["press"]) == {"no_press", "critical_snapkv", "critical_adakv_snapkv"}
     full = summary.loc[summary.press == "no_press", "average"].item()
@@ -126,9 +82,8 @@ def test_aggregate_tables_from_the_sweep(first_run):
     assert any((output / "summary" / "plots").glob("*.png"))
 
 
-@pytest.mark.slow
-def test_second_run_resumes(first_run):
-    preset, output, _ = first_run
+def test_second_run_resumes(smoke_sweep):
+    preset, output, _ = smoke_sweep
     stamps = {name: (output / name / "metrics.json").stat().st_mtime_ns for name in GOOD}
     result = sweep(preset, output)
     assert result.returncode == 1  # the failing configuration is retried (and fails again)

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from test_backends import assert_within_bound, make_inputs, run_fused
+from op_helpers import assert_within_bound, make_inputs, run_fused
 
 from kvpress_critical.ops import projected_norm as dispatch
 from kvpress_critical.ops import projected_value_norm_ref, triton_utils
