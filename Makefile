@@ -5,6 +5,7 @@
 #   make build        compile the C++ extension now rather than at its first use (kvpress-critical-build)
 #   make check-wheel  build the sdist and the wheel, install the wheel into a fresh venv outside the checkout and
 #                     run the cpp kernels there against the torch reference (CI runs it after the tests)
+#   make docs         the documentation site into site/, warnings as errors (CI runs it)
 #   make analysis     perturbation analysis on the embedded SmolLM2 (ANALYSIS_ARGS="--ratios 0.5,0.8 ...")
 #   make eval-smoke   the smoke evaluation sweep (CPU, embedded SmolLM2, kvpress's own runner)
 #   make eval-quality the quality benchmark (CPU, embedded SmolLM2, likelihood metrics, ~40 min)
@@ -32,7 +33,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_VERBOSITY ?= error
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install build check-cuda check-wheel bench demo test test-fast analysis lint format clean \
+.PHONY: install build check-cuda check-wheel docs bench demo test test-fast analysis lint format clean \
         eval-smoke eval-quality eval-dry-run gpu-check-dry-run
 
 # one stamp per extras set: `make demo` and `make test` install what each needs into the same venv
@@ -45,6 +46,8 @@ $(VENV)/.installed-%: pyproject.toml setup.py Makefile
 	$(PY) -c "from kvpress_critical.default_model import default_model_path as p; print('embedded model:', p())"
 	@# the evaluation drives kvpress's runner from kvpress's sdist: fetched here, never while tests or sweeps run
 	$(if $(filter dev eval,$*),$(PY) -m evaluation.kvpress_eval)
+	@# the wheel set of benchmarks/gpu_check.sh for an offline GPU node (its dry run is part of the tests)
+	$(if $(filter dev,$*),PY=$(PY) bash benchmarks/gpu_wheels.sh .whl)
 	touch $@
 
 install:
@@ -61,14 +64,17 @@ check-wheel:
 	@$(MAKE) --no-print-directory install EXTRAS=dev
 	PY=$(PY) TORCH_SPEC="$(TORCH_SPEC)" bash .ci/check_wheel.sh
 
+docs:
+	@$(MAKE) --no-print-directory install EXTRAS=dev
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 BENCH_ARGS ?=
 bench: build
 	$(PY) benchmarks/bench_projected_norm.py $(BENCH_ARGS)
 	$(PY) benchmarks/bench_prefill.py $(BENCH_ARGS)
 
-GPU_CHECK_DIR ?= results/gpu-dry-run
+GPU_CHECK_DIR ?= outputs/gpu-check-dry-run
 gpu-check-dry-run: build
-	PY=$(PY) bash benchmarks/gpu_wheels.sh
 	DRY_RUN=1 PY=$(PY) bash benchmarks/gpu_check.sh $(GPU_CHECK_DIR)
 
 demo:
@@ -107,4 +113,4 @@ format: install
 	$(PY) -m ruff check --fix kvpress_critical tests evaluation benchmarks
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .ruff_cache

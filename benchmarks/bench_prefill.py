@@ -12,7 +12,7 @@ is where kvpress compresses; every press runs on the same random token ids, inte
 are reported: end to end (best prefill time against the baseline's), and from the time spent inside the press's
 ``compress`` (summed over layers; its difference to the baseline's, divided by the baseline's prefill time), which
 does not carry the run-to-run noise of the model's forward pass. Results go to
-``benchmarks/results/prefill_<device>.csv`` and ``.md``.
+``outputs/benchmarks/prefill_<device>.csv`` and ``.md`` (``--out-dir results/benchmarks`` for the committed tables).
 
     python benchmarks/bench_prefill.py                       # 1K, 2K and 4K tokens
     python benchmarks/bench_prefill.py --tokens 2048 --repeats 5

@@ -10,7 +10,8 @@ lengths, every method runs on the same inputs, interleaved round-robin (see ``co
   (L2 through the cached Gram factors, 2*T*H*d^2 FLOPs; the factors are computed in the warm-up call).
 
 Peak extra memory is measured in a separate untimed call (``common.peak_extra_bytes``). Results go to
-``benchmarks/results/projected_norm_<device>.csv`` and ``.md``.
+``outputs/benchmarks/projected_norm_<device>.csv`` and ``.md`` (``--out-dir results/benchmarks``: the committed
+tables).
 
     python benchmarks/bench_projected_norm.py                       # defaults below
     python benchmarks/bench_projected_norm.py --models llama --tokens 4096 --repeats 5

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# runs write here by default (ignored by git); the committed tables live in results/benchmarks (--out-dir)
+RESULTS_DIR = Path("outputs") / "benchmarks"
 
 
 def machine_description(device: torch.device) -> str:
@@ -50,7 +51,12 @@ def parse_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.Name
         help="torch intra-op threads (default: torch's choice). On a machine shared with other jobs, 1 avoids "
         "OpenMP barrier stalls that make multi-threaded timings erratic",
     )
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=RESULTS_DIR,
+        help="folder of the tables (default outputs/benchmarks, not committed)",
+    )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an earlier run's files (default: write <name>_2, _3, ...)"
     )

@@ -1,25 +1,27 @@
 #!/usr/bin/env bash
-# GPU check of kvpress-critical in one call, as it is, on the lent H200 (no network, python3 with torch 2.11,
-# Triton 3.6, transformers 5.17, no kvpress) or any machine with an NVIDIA GPU and a CUDA build of torch.
+# A one-shot validation of kvpress-critical on a GPU node, offline: correctness against the references, the kernels'
+# speed, the compact cache end to end. Where there is network, prepare the Python packages the node may lack with
+# benchmarks/gpu_wheels.sh (into .whl/), copy the repository (with .whl/) to the node, then run there:
 #
-#   benchmarks/gpu_check.sh [results_dir]      results_dir: $OUT (the device tool's folder) when set, else
-#                                              benchmarks/results/gpu
+#   benchmarks/gpu_check.sh [results_dir]      results_dir: default outputs/gpu-check
 #   DRY_RUN=1 benchmarks/gpu_check.sh DIR      walk every step on a CPU machine with tiny sizes (tests this script;
 #                                              `make gpu-check-dry-run`, and tests/test_gpu_check.py)
 #
-# Environment: PY (python; default .venv/bin/python if present, else python3), WHEELS (default .whl: wheels made by
-# benchmarks/gpu_wheels.sh, installed with --no-index into a private target so that kvpress imports; without them the
-# end-to-end steps are skipped, every op step still runs), BUDGET_S (default 470: the steps' limits are cut to fit).
+# Requirements on the node: an NVIDIA GPU, Python with a CUDA build of torch (and Triton, which comes with it), nvcc
+# for the CUDA kernels (without it the CPU kernels are compiled and the Triton and torch backends still run).
+# Environment: PY (python; default .venv/bin/python if present, else python3), WHEELS (default .whl: installed with
+# --no-index into a private target so that kvpress imports; without them the end-to-end steps are skipped, every op
+# step still runs), BUDGET_S (default 470: the steps' limits are cut to fit a time budget).
 #
 # Steps, most informative first; each has its own time limit, one failing or timing out never stops the next, and
-# its results are collected as soon as it ends (a call cut short keeps every step it finished). Results folder, at
-# most 8 files (what the device tool brings back): gpu_check.log (everything), steps.tsv (step, exit status,
-# seconds), smoke.jsonl, tables.md (every benchmark table), tests.xml (junit), raw.tar (CSV / JSON of every step).
+# its results are collected as soon as it ends (a run cut short keeps every step it finished). The results are six
+# files, easy to copy back from the node: gpu_check.log (everything), steps.tsv (step, exit status, seconds),
+# smoke.jsonl, tables.md (every benchmark table), tests.xml (junit), raw.tar (CSV / JSON of every step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 DRY=${DRY_RUN:-0}
-RESULTS=${1:-${OUT:-benchmarks/results/gpu}}
+RESULTS=${1:-outputs/gpu-check}
 if [ -z "${PY:-}" ]; then
   if [ -x .venv/bin/python ]; then PY=$ROOT/.venv/bin/python; else PY=python3; fi
 fi
@@ -105,8 +107,8 @@ install_wheels() {  # the carried wheels into a private target, first on PYTHONP
   local target=/tmp/gpu_check_site
   rm -rf "$target"
   local extra=()
-  # here (dry run) the interpreter is not the GPU machine's Python 3.12: check that the set installs for it
-  [ "$DRY" = 1 ] && extra=(--python-version 3.12 --only-binary=:all: --implementation cp)
+  # here (dry run) the interpreter is not the GPU node's Python: check that the set installs for it
+  [ "$DRY" = 1 ] && extra=(--python-version "${GPU_PYTHON:-3.12}" --only-binary=:all: --implementation cp)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" \
     "${extra[@]}" "$WHEELS"/*.whl || return 1
   ls "$target" | grep -c dist-info | xargs echo "installed distributions:"

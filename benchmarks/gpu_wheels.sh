@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Prepare .whl/: the Python packages the lent GPU machine lacks, as wheels for its Python 3.12 (x86_64), so that
-# benchmarks/gpu_check.sh can install them there with `pip install --no-index --no-deps --target` (no network there).
+# Prepare .whl/: the Python packages an offline GPU node may lack, as wheels for its Python (GPU_PYTHON, default 3.12,
+# x86_64), so that benchmarks/gpu_check.sh can install them there with `pip install --no-index --no-deps --target`.
+# Run it where there is network, then copy the repository with .whl/ to the node (`make install` prepares it too).
 #
-#   benchmarks/gpu_wheels.sh [dest]      dest defaults to .whl (ignored by git; carried with `carry: [".whl"]`)
+#   benchmarks/gpu_wheels.sh [dest]      dest defaults to .whl (ignored by git)
 #
-# The GPU machine has torch 2.11, Triton 3.6, transformers 5.17 and tokenizers 0.23.2 but no kvpress. kvpress 0.5.5
-# needs transformers < 5.3, and transformers 5.2 needs tokenizers <= 0.23.0, so both travel, pinned to the versions CI
-# tests with, together with what `import kvpress` imports that the machine lacks (datasets, dill, multiprocess, fire,
-# termcolor, cachetools). The op layer (kvpress_critical.ops: kernels, their tests and benchmarks) needs none of
-# them: without the wheels, gpu_check.sh still runs every op step and skips the end-to-end ones.
+# A CUDA image with a recent torch usually has transformers but not kvpress, and kvpress 0.5.5 needs transformers
+# < 5.3, and transformers 5.2 needs tokenizers <= 0.23.0: both are pinned here to the versions the test suite runs
+# with, together with what `import kvpress` imports that such an image lacks (datasets, dill, multiprocess, fire,
+# termcolor, cachetools). The op layer (kvpress_critical.ops: kernels, their tests and benchmarks) needs none of them:
+# without the wheels, gpu_check.sh still runs every op step and skips the end-to-end ones.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=${1:-.whl}
@@ -28,7 +29,7 @@ BINARY=(
   cachetools==5.5.2
 )
 SDIST_ONLY=(fire==0.6.0)  # kvpress pins fire<0.7, published as an sdist only: built here into a pure-Python wheel
-MAX_MB=40                 # the working tree that travels is limited to 64 MiB in all
+MAX_MB=40                 # a small set: it is copied to the node with the repository
 
 rm -rf "$dest"
 mkdir -p "$dest"
@@ -36,7 +37,8 @@ platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
   platforms+=(--platform "$p")
 done
-"$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
+"$py" -m pip download -q --no-deps --only-binary=:all: --python-version "${GPU_PYTHON:-3.12}" --implementation cp \
+  "${platforms[@]}" \
   -d "$dest" "${BINARY[@]}"
 "$py" -m pip wheel -q --no-deps -w "$dest" "${SDIST_ONLY[@]}"
 count=$(ls "$dest"/*.whl | wc -l)

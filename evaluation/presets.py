@@ -57,7 +57,7 @@ class Preset:
     presses: list[str]
     compression_ratios: list[float]
     config: dict[str, Any] = field(default_factory=dict)
-    output_dir: str = "results"
+    output_dir: str = "outputs"
     description: str = ""
     head_scores: dict[str, str] = field(default_factory=dict)  # model -> HeadKV head-score file
     chunk_size: int | None = None  # prefill in chunks (ChunkedPrefillPress): every press but no_press
@@ -117,7 +117,7 @@ def load_preset(preset: str) -> Preset:
         presses=[str(p) for p in raw["presses"]],
         compression_ratios=[float(r) for r in raw["compression_ratios"]],
         config={k: raw[k] for k in CONFIG_KEYS if k in raw},
-        output_dir=str(raw.get("output_dir", f"results/{path.stem}")),
+        output_dir=str(raw.get("output_dir", f"outputs/{path.stem}")),
         description=str(raw.get("description", "")).strip(),
         head_scores={str(k): str(v) for k, v in (raw.get("head_scores") or {}).items()},
         chunk_size=None if raw.get("chunk_size") is None else int(raw["chunk_size"]),

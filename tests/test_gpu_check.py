@@ -1,5 +1,8 @@
-"""benchmarks/gpu_check.sh, walked on CPU (DRY_RUN=1): every step runs, the carried wheel set installs with
---no-index into a clean target for the GPU machine's Python 3.12, and the results fit what the device tool returns."""
+"""benchmarks/gpu_check.sh, walked on CPU (DRY_RUN=1): every step runs, the wheel set prepared for an offline GPU node
+installs with --no-index into a clean target for the node's Python (3.12), and the results are the script's six files.
+
+The wheel set is the one `make install` prepares in .whl/ (benchmarks/gpu_wheels.sh): nothing is downloaded while the
+tests run (the script is run here only when .whl/ is missing)."""
 
 import json
 import os
@@ -16,6 +19,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory):
+    prepared = ROOT / ".whl"
+    if len(list(prepared.glob("*.whl"))) == 9:
+        return prepared
     dest = tmp_path_factory.mktemp("whl")
     env = dict(os.environ, PY=sys.executable)
     result = subprocess.run(
@@ -53,8 +59,7 @@ def test_dry_run_walks_every_step(wheels, tmp_path):
     assert "tests" in names and "spills" in names
     assert all(rc == "0" for _, rc, _ in steps), steps
     files = sorted(p.name for p in results.iterdir())
-    assert len(files) <= 8 and all(p.is_file() for p in results.iterdir()), files  # what the device tool returns
-    assert {"gpu_check.log", "steps.tsv", "smoke.jsonl", "tables.md", "raw.tar", "tests.xml"} <= set(files)
+    assert set(files) == {"gpu_check.log", "steps.tsv", "smoke.jsonl", "tables.md", "raw.tar", "tests.xml"}, files
     smoke = [json.loads(line) for line in (results / "smoke.jsonl").read_text().splitlines()]
     checked = [r for r in smoke if r.get("op") == "projected_value_norm"]
     assert checked and all(r["ok"] for r in checked)

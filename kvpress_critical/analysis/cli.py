@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="compress the question with the context (the paper's setting) instead of context-only (kvpress's)",
     )
     parser.add_argument("--max-answer-tokens", type=int, default=16, help="teacher-forced answer tokens per sample")
-    parser.add_argument("--out", default="analysis_results", help="parent folder of the run folder")
+    parser.add_argument(
+        "--out", default="outputs/analysis", help="parent folder of the run folder (committed runs: results/analysis)"
+    )
     parser.add_argument("--name", default=None, help="run folder name (default: a timestamp; never overwritten)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

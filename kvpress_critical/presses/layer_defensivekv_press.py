@@ -22,11 +22,9 @@ class LayerDefensiveKVPress(DefensiveKVPress):
     ``masked_key_indices`` on every layer at once (or compacted by :class:`~kvpress_critical.CompactCachePress` after
     the prefill).
 
-    Based on DefensiveKV (Feng et al., ICLR 2026).
+    Its parameters are :class:`DefensiveKVPress`'s.
 
-    Parameters
-    ----------
-    As :class:`DefensiveKVPress`.
+    Based on DefensiveKV (Feng et al., ICLR 2026).
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities(
