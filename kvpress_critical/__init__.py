@@ -23,14 +23,17 @@ _PRESSES = (
     "LayerDefensiveKVPress",
 )
 
-__all__ = [*_PRESSES, "__version__", "available_backends", "projected_value_norm"]
+# the names that need kvpress, and the module of each
+_LAZY = {**{name: "kvpress_critical.presses" for name in _PRESSES}, "Conversation": "kvpress_critical.conversation"}
+
+__all__ = [*_LAZY, "__version__", "available_backends", "projected_value_norm"]
 
 
 def __getattr__(name: str):
-    if name not in _PRESSES:
+    if name not in _LAZY:
         raise AttributeError(f"module 'kvpress_critical' has no attribute {name!r}")
     try:
-        presses = importlib.import_module("kvpress_critical.presses")
+        module = importlib.import_module(_LAZY[name])
     except ImportError as error:
         if error.name is None or not error.name.startswith("kvpress") or error.name.startswith("kvpress_critical"):
             raise
@@ -39,10 +42,10 @@ def __getattr__(name: str):
             "`pip install 'kvpress>=0.5.5,<0.6'` (it needs transformers>=4.56,<5.3); the ops in "
             "kvpress_critical.ops work without it."
         ) from error
-    value = getattr(presses, name)
+    value = getattr(module, name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_PRESSES))
+    return sorted(set(globals()) | set(_LAZY))

@@ -90,7 +90,8 @@ def _kvpress_table() -> list[tuple[type, Capabilities]]:
     table = [
         (kvpress.CriticalKVPress, builtin_critical),
         (kvpress.CriticalAdaKVPress, Capabilities(selection="head-wise", applies_criticalkv=True)),
-        (kvpress.DecodingPress, Capabilities(selection="wrapper", compresses_while_decoding=True, drives_model=True)),
+        # their own __call__ only resets their state or dispatches to their presses: they do not drive the model
+        (kvpress.DecodingPress, Capabilities(selection="wrapper", compresses_while_decoding=True)),
         (kvpress.PrefillDecodingPress, Capabilities(selection="wrapper")),  # its __call__ dispatches to its presses
         (
             kvpress.KeyRerotationPress,
@@ -176,7 +177,7 @@ def capabilities(press) -> Capabilities:
         return declared
     caps = next((c for cls, c in KVPRESS_CAPABILITIES if isinstance(press, cls)), Capabilities())
     own_call = type(press).__call__ is not kvpress.BasePress.__call__
-    if own_call and not isinstance(press, kvpress.PrefillDecodingPress):
+    if own_call and not isinstance(press, (kvpress.PrefillDecodingPress, kvpress.DecodingPress)):
         caps = Capabilities(**{**caps.__dict__, "drives_model": True})
     if isinstance(press, kvpress.PrefillDecodingPress) and press.decoding_press is not None:
         caps = Capabilities(**{**caps.__dict__, "compresses_while_decoding": True})
@@ -272,10 +273,17 @@ def compact_refusal(press) -> str | None:
             return (
                 f"{name}: its decoding compression needs the dense layout; use decoding=False or no CompactCachePress"
             )
-        if caps.compresses_while_decoding:
+        if isinstance(inner, kvpress.DecodingPress) and not capabilities(inner.base_press).budgeted:
             return (
-                f"{name}: it compresses during decoding, and the compact layout is built once, after the prefill; "
-                "use it without CompactCachePress (masking layout)"
+                f"{name}({type(inner.base_press).__name__}(...)): the compact layout compresses while decoding with "
+                "an explicit budget per head, which this base press cannot be given; use a kvpress ScorerPress, "
+                "AdaKVPress or a press of this package (CriticalKVPress, CriticalAdaKVPress)"
+            )
+        decoding_wrapper = isinstance(inner, (kvpress.DecodingPress, kvpress.PrefillDecodingPress))
+        if caps.compresses_while_decoding and not decoding_wrapper:
+            return (
+                f"{name}: it compresses during decoding in its own way; the compact layout compresses while decoding "
+                "on kvpress's DecodingPress schedule: use CompactCachePress(DecodingPress(base_press=...))"
             )
         if caps.rerotates_keys:
             return (

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvpress_critical.cache.quantize import FORMATS, code_bytes, dequantize_rows, quantize_rows
 from kvpress_critical.ops.ragged_attention.layout import cu_seqlens_from_lengths
 
 DEFAULT_RESERVE = 64
@@ -136,9 +137,18 @@ class CompactLayer(CacheLayerMixin):
         num_kv_heads: int,
         context_length: int,
         reserve: int = DEFAULT_RESERVE,
+        quantize: str | None = None,
     ):
         super().__init__()
-        self.packed_keys, self.packed_values = keys, values
+        if quantize is not None and quantize not in FORMATS:
+            raise ValueError(f"quantize must be None or one of {sorted(FORMATS)}, got {quantize!r}")
+        self.quantize = quantize
+        self.dtype, self.device = keys.dtype, keys.device
+        if quantize is None:
+            self._keys, self._values = keys, values
+        else:  # codes and one scale per entry; the tail stays in the model's dtype
+            bits = FORMATS[quantize]
+            self._keys, self._values = quantize_rows(keys, bits), quantize_rows(values, bits)
         self.cu_seqlens = cu_seqlens  # (S + 1,) int64, on CPU (read by the kernels' launchers)
         self.positions = positions  # (N,) int32, original position of every packed entry
         self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, keys.shape[-1]
@@ -147,12 +157,34 @@ class CompactLayer(CacheLayerMixin):
         # the length the dense layer reported: positions and masks elsewhere in the model do not change at conversion
         self.context_length = context_length
         self.reserve = max(1, reserve)
-        self.dtype, self.device = keys.dtype, keys.device
+        # compressed while decoding: the context holds tokens added after the prefill (answers cannot be removed)
+        self.compressed_while_decoding = False
         shape = (batch_size, num_kv_heads, self.reserve, self.head_dim)
         self.tail_keys = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.tail_values = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.tail_len = 0
         self.is_initialized = True
+
+    @property
+    def packed_keys(self) -> torch.Tensor:
+        """``(N, d)`` the packed context keys, in the model's dtype (dequantized when the layer is quantized)."""
+        return self._packed(self._keys)
+
+    @property
+    def packed_values(self) -> torch.Tensor:
+        """``(N, d)`` the packed context values, in the model's dtype (dequantized when the layer is quantized)."""
+        return self._packed(self._values)
+
+    def _packed(self, stored):
+        if self.quantize is None:
+            return stored
+        codes, scales = stored
+        return dequantize_rows(codes, scales, FORMATS[self.quantize], self.head_dim, self.dtype)
+
+    @property
+    def num_entries(self) -> int:
+        """Context entries held, over every (batch row, KV head)."""
+        return int(self.cu_seqlens[-1])
 
     # ---- construction -----------------------------------------------------------------------------------------
 
@@ -165,13 +197,16 @@ class CompactLayer(CacheLayerMixin):
         reserve: int = DEFAULT_RESERVE,
         positions: torch.Tensor | None = None,
         context_length: int | None = None,
+        quantize: str | None = None,
     ) -> "CompactLayer":
         """
         Pack the entries ``keep`` marks of a dense ``(B, H_kv, T, d)`` layer.
 
         ``keep``: ``(B, H_kv, T)`` bool (rows and heads may keep different numbers of entries). ``positions``:
         ``(B, H_kv, T)`` positions of the dense entries (default ``0..T-1``). ``context_length``: the length the layer
-        reports to the model (``get_seq_length``; default ``T``, what the dense layer reported).
+        reports to the model (``get_seq_length``; default ``T``, what the dense layer reported). ``quantize``:
+        ``"int8"`` or ``"int4"`` stores the packed entries as codes with one scale per entry
+        (:mod:`~kvpress_critical.cache.quantize`).
         """
         bsz, num_kv_heads, k_len, _ = keys.shape
         if keep.shape != keys.shape[:3]:
@@ -190,6 +225,7 @@ class CompactLayer(CacheLayerMixin):
             num_kv_heads,
             k_len if context_length is None else context_length,
             reserve,
+            quantize,
         )
 
     # ---- the cache layer interface ----------------------------------------------------------------------------
@@ -239,6 +275,11 @@ class CompactLayer(CacheLayerMixin):
         """Keep the first ``max_length`` logical tokens (the context is never cut: only the tail shrinks)."""
         if max_length < 0:
             max_length = self.get_seq_length() + max_length
+        if max_length < self.context_length and self.compressed_while_decoding:
+            # tokens added after the prefill were compressed into the context with it: only the tail can go (what
+            # kvpress's pipeline does after an answer generated with a decoding press, one question per context)
+            self.tail_len = 0
+            return
         if max_length < self.context_length:
             raise ValueError(
                 f"cannot crop a compact layer to {max_length} tokens: its compressed context alone is "
@@ -305,11 +346,15 @@ class CompactLayer(CacheLayerMixin):
         return self.packed_keys[lo:hi], self.packed_values[lo:hi], self.positions[lo:hi]
 
     def nbytes(self, reserved: bool = True) -> int:
-        """Bytes held: packed context, tail (its whole capacity when ``reserved``) and index tensors."""
+        """Bytes held: packed context (codes and scales when quantized), tail (its whole capacity when
+        ``reserved``) and index tensors."""
         tail = self.tail_keys if reserved else self.tail_keys[:, :, : self.tail_len]
-        element = self.packed_keys.element_size()
-        data = 2 * (self.packed_keys.numel() + tail.numel()) * element
-        return data + self.cu_seqlens.numel() * 8 + self.positions.numel() * 4
+        element = self.tail_keys.element_size()
+        if self.quantize is None:
+            context = 2 * self.num_entries * self.head_dim * element
+        else:
+            context = 2 * code_bytes(self.num_entries, self.head_dim, FORMATS[self.quantize])
+        return context + 2 * tail.numel() * element + self.cu_seqlens.numel() * 8 + self.positions.numel() * 4
 
     def padded_view(self, tail_positions: torch.Tensor | None = None) -> PaddedView:
         """
@@ -340,6 +385,6 @@ class CompactLayer(CacheLayerMixin):
 
     def __repr__(self):
         return (
-            f"CompactLayer(batch={self.batch_size}, kv_heads={self.num_kv_heads}, entries={self.packed_keys.shape[0]}, "
+            f"CompactLayer(batch={self.batch_size}, kv_heads={self.num_kv_heads}, entries={self.num_entries}, "
             f"context_length={self.context_length}, tail={self.tail_len}/{self.tail_keys.shape[2]})"
         )

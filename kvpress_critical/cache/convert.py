@@ -43,20 +43,30 @@ def keep_mask_from_indices(masked_key_indices, shape: tuple[int, int, int], devi
     return keep
 
 
-def compact_layer(cache, layer_idx: int, module: nn.Module, reserve: int = DEFAULT_RESERVE) -> CompactLayer | None:
+def compact_layer(
+    cache,
+    layer_idx: int,
+    module: nn.Module,
+    reserve: int = DEFAULT_RESERVE,
+    keep: torch.Tensor | None = None,
+    quantize: str | None = None,
+) -> CompactLayer | None:
     """
     Replace ``cache.layers[layer_idx]`` (dense, just compressed) by its compact layout.
 
-    The entries kept are those not listed in ``module.masked_key_indices`` (head-wise presses), or all of the layer's
-    entries (pruning presses already dropped the others); the masks are then cleared, since the compact layer holds
-    only kept entries. Returns the new layer, or ``None`` when the layer is left as it is (already compact, empty).
+    The entries kept are ``keep`` (``(B, H_kv, T)`` bool) when given, else those not listed in
+    ``module.masked_key_indices`` (head-wise presses), or all of the layer's entries (pruning presses already dropped
+    the others); the masks are then cleared, since the compact layer holds only kept entries. ``quantize``: store the
+    kept entries as ``"int8"`` or ``"int4"`` codes. Returns the new layer, or ``None`` when the layer is left as it is
+    (already compact, empty).
     """
     layer = cache.layers[layer_idx]
     if isinstance(layer, CompactLayer) or layer.keys is None or layer.keys.numel() == 0:
         return None
     keys, values = layer.keys, layer.values
-    keep = keep_mask_from_indices(getattr(module, "masked_key_indices", None), keys.shape[:3], keys.device)
-    compact = CompactLayer.from_keep_mask(keys, values, keep, reserve=reserve)
+    if keep is None:
+        keep = keep_mask_from_indices(getattr(module, "masked_key_indices", None), keys.shape[:3], keys.device)
+    compact = CompactLayer.from_keep_mask(keys, values, keep, reserve=reserve, quantize=quantize)
     cache.layers[layer_idx] = compact
     module.masked_key_indices = None
     return compact

@@ -1,10 +1,11 @@
-"""How a chunked prefill sees and trims one layer's cache, whatever its layout.
+"""How a compression after the prefill sees and trims one layer's cache, whatever its layout.
 
-After every chunk, :class:`~kvpress_critical.ChunkedPrefillPress` compresses each layer back to its budget. It needs
-two things of a layer, which every layout implements (:class:`ChunkLayout`):
+After every chunk, :class:`~kvpress_critical.ChunkedPrefillPress` compresses each layer back to its budget; during
+decoding, :class:`~kvpress_critical.presses.decoding_compression.DecodingCompressor` compresses it back to a target
+size. Both need two things of a layer, which every layout implements (:class:`ChunkLayout`):
 
-- :meth:`~ChunkLayout.view`: a dense view of the entries the layer holds (the chunk just appended last), with the
-  entries that must not be selected marked as excluded (evicted but still stored, padding);
+- :meth:`~ChunkLayout.view`: a dense view of the entries the layer holds (the newest tokens last), with the entries
+  that must not be selected marked as excluded (evicted but still stored, padding);
 - :meth:`~ChunkLayout.keep`: keep only some entries of that view.
 
 The layouts:
@@ -33,7 +34,7 @@ from torch import nn
 from kvpress_critical.cache.compact import CompactLayer
 from kvpress_critical.cache.convert import keep_mask_from_indices
 
-__all__ = ["ChunkLayout", "CompactLayout", "DenseLayout", "LayerView", "MaskingLayout", "StoredNorms", "chunk_layout"]
+__all__ = ["ChunkLayout", "CompactLayout", "DenseLayout", "LayerView", "MaskingLayout", "StoredNorms", "layer_layout"]
 
 
 @dataclass
@@ -104,13 +105,23 @@ class MaskingLayout:
 
 
 class CompactLayout:
-    """A :class:`~kvpress_critical.cache.CompactLayer`: kept entries packed per head, the new chunk in its tail."""
+    """A :class:`~kvpress_critical.cache.CompactLayer`: kept entries packed per head, the newest tokens in its tail.
 
-    def __init__(self, cache, layer_idx: int, module: nn.Module, tail_positions: torch.Tensor, context_length: int):
+    Keeping builds a new compact layer (same reserve, same quantization) whose context is everything the view held:
+    it reports ``context_length`` (default: the logical length so far), its tail is empty."""
+
+    def __init__(
+        self,
+        cache,
+        layer_idx: int,
+        module: nn.Module,
+        tail_positions: torch.Tensor | None = None,
+        context_length: int | None = None,
+    ):
         self.cache, self.layer_idx, self.module = cache, layer_idx, module
         self.layer: CompactLayer = cache.layers[layer_idx]
         self.padded = self.layer.padded_view(tail_positions)
-        self.context_length = context_length
+        self.context_length = self.layer.get_seq_length() if context_length is None else context_length
 
     def view(self) -> LayerView:
         return LayerView(self.padded.keys, self.padded.values, ~self.padded.valid, self.padded.positions)
@@ -123,6 +134,7 @@ class CompactLayout:
             reserve=self.layer.reserve,
             positions=self.padded.positions,
             context_length=self.context_length,
+            quantize=self.layer.quantize,
         )
         self.module.masked_key_indices = None
 
@@ -136,10 +148,18 @@ class CompactLayout:
         return known
 
 
-def chunk_layout(cache, layer_idx: int, module: nn.Module, pruning: bool, chunk: tuple[int, int]) -> ChunkLayout:
-    """The layout of ``cache.layers[layer_idx]`` after the chunk ``(start, end)`` was appended to it."""
+def layer_layout(
+    cache, layer_idx: int, module: nn.Module, pruning: bool, chunk: tuple[int, int] | None = None
+) -> ChunkLayout:
+    """
+    The layout of ``cache.layers[layer_idx]``: compact for a compact layer, else dense (a ``pruning`` press) or
+    masking. ``chunk``: the ``(start, end)`` positions of the tokens just appended by a chunked prefill (a compact
+    layer then reports ``end`` tokens); without it, the layer's own logical length.
+    """
     layer = cache.layers[layer_idx]
     if isinstance(layer, CompactLayer):
+        if chunk is None:
+            return CompactLayout(cache, layer_idx, module)
         tail_positions = torch.arange(chunk[0], chunk[1], dtype=torch.int32)
         return CompactLayout(cache, layer_idx, module, tail_positions, context_length=chunk[1])
     return DenseLayout(layer) if pruning else MaskingLayout(layer, module)

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from kvpress_critical.cache.attention import exact_masked_attention
 from kvpress_critical.cache.convert import is_sliding_layer
-from kvpress_critical.cache.layouts import StoredNorms, chunk_layout
+from kvpress_critical.cache.layouts import StoredNorms, layer_layout
 from kvpress_critical.capabilities import Capabilities, capabilities, chunked_prefill_refusal, nested_presses
 from kvpress_critical.modeling import attention_modules, decoder, hooked_attention_modules
 from kvpress_critical.norm_reuse import reusing_norms
@@ -225,7 +225,7 @@ class ChunkedPrefillPress(InnerPressMixin, BasePress):
         start, seen = self.chunk
         idx = module.layer_idx
         pruning = capabilities(self.press).selection == "pruning"
-        layout = chunk_layout(kwargs["past_key_values"], idx, module, pruning, self.chunk)
+        layout = layer_layout(kwargs["past_key_values"], idx, module, pruning, self.chunk)
         view = layout.view()
         stored = self._norms.get(idx)
         known = layout.known_norms(stored) if stored is not None else {}
