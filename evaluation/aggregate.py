@@ -14,6 +14,8 @@ under ``RESULTS_DIR/summary`` by default:
 - ``missing.csv``: every expected cell that has no result (configuration not run, failed or incomplete;
   task missing from a run; no ``no_press`` baseline), never silently dropped;
 - ``tables.md``: the same as markdown tables laid out like the paper's (``evaluation.report``);
+- ``paper.md`` / ``paper.csv``, for runs of the paper's models and benchmarks: the paper's reported numbers beside
+  ours, experiment by experiment, with the difference (``evaluation.paper``);
 - ``plots/<model>__<benchmark>.png``: average score vs cache size, one line per press;
 - for runs with likelihood metrics (the quality benchmark, ``evaluation.quality``): ``quality.csv``,
   ``quality_comparisons.csv`` (paired bootstrap intervals), ``quality_samples.csv``, ``quality.md`` and
@@ -37,13 +39,24 @@ import pandas as pd
 import yaml
 
 from evaluation.paired import paired_samples
-from evaluation.quality import quality_comparisons, quality_markdown, quality_plot, quality_samples, quality_summary
+from evaluation.paper import paper_comparison, paper_markdown
+from evaluation.quality import (
+    quality_by_turn,
+    quality_comparisons,
+    quality_markdown,
+    quality_plot,
+    quality_samples,
+    quality_summary,
+    quality_turns_markdown,
+)
 from evaluation.registry import BASELINE, critical_base
 from evaluation.report import markdown_tables, plot
 from evaluation.tasks import KEYS, LONGBENCH_DOMAINS, task_order
 from evaluation.worker import NON_RESULT_DIRS
 
 logger = logging.getLogger(__name__)
+
+QUERY_AWARE = " (query-aware)"  # appended to the benchmark of runs that compress the question with the context
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -81,12 +94,13 @@ def read_run(folder: Path) -> dict | None:
         "dataset": str(config.get("dataset")),
         "data_dir": None if config.get("data_dir") is None else str(config.get("data_dir")),
         "press": str(config.get("press_name")),
-        "compression_ratio": float(config.get("compression_ratio", math.nan)),
+        # DuoAttention's runs record their head compression ratio instead (kvpress drops compression_ratio)
+        "compression_ratio": float(config.get("compression_ratio", config.get("head_compression_ratio", math.nan))),
         "press_init_command": config.get("press_init_command"),
         "scores": {},
         "problems": [],
     }
-    if "compression_ratio" not in config:
+    if "compression_ratio" not in config and "head_compression_ratio" not in config:
         run["problems"].append("no compression_ratio in config.yaml (threshold-based press)")
     metrics_file = folder / "metrics.json"
     if not metrics_file.is_file():
@@ -102,6 +116,9 @@ def read_run(folder: Path) -> dict | None:
         run["benchmark"] = run["dataset"]
     else:
         run["benchmark"] = f"{run['dataset']}/{run['data_dir']}" if run["data_dir"] else run["dataset"]
+    if config.get("query_aware"):  # the question compressed with the context: another benchmark, another baseline
+        run["benchmark"] += QUERY_AWARE
+    run["query_aware"] = bool(config.get("query_aware"))
     return run
 
 
@@ -237,7 +254,7 @@ def missing_cells(
         for problem in run["problems"]:
             rows.append({**_cell(run), "task": "", "reason": problem})
     if expected is not None:
-        per_task = {run["dataset"] for run in runs if run["per_task_runs"]} | {"longbench", "longbench-e"}
+        per_task = {run["dataset"] for run in runs if run["per_task_runs"]} | {"longbench", "longbench-e", "scbench"}
         for name, config in expected:
             if name in present:
                 continue  # its problems, if any, are reported above
@@ -246,10 +263,12 @@ def missing_cells(
                 benchmark, task = dataset, str(data_dir or "")
             else:
                 benchmark, task = dataset + (f"/{data_dir}" if data_dir else ""), ""
+            if config.get("query_aware"):
+                benchmark += QUERY_AWARE
             press = config.get("press_name")
             failed = (results_dir / "failed" / f"{name}.txt").is_file()
             reason = f"configuration failed (see failed/{name}.txt)" if failed else "configuration not run"
-            ratio = 0.0 if press == BASELINE else config.get("compression_ratio")
+            ratio = 0.0 if press == BASELINE else config.get("head_compression_ratio", config.get("compression_ratio"))
             rows.append({**_row(config.get("model"), benchmark, press, ratio, task, reason), "name": name})
     else:
         for (model, benchmark), group in scores.groupby(["model", "benchmark"], sort=False):
@@ -331,6 +350,10 @@ def aggregate(
     _write(out / "tables.md", markdown_tables(summary, comparison, missing))
     if not summary.empty:
         plot(summary, out / "plots")
+        paper = paper_comparison(summary)
+        if paper["ours"].notna().any():  # runs of the paper's models and benchmarks: its numbers beside ours
+            _write(out / "paper.csv", paper.to_csv(index=False))
+            _write(out / "paper.md", paper_markdown(paper))
     samples = quality_samples(runs)
     if not samples.empty:  # runs with likelihood metrics (the quality benchmark)
         quality = quality_summary(samples)
@@ -338,7 +361,11 @@ def aggregate(
         _write(out / "quality_samples.csv", samples.to_csv(index=False))
         _write(out / "quality.csv", quality.to_csv(index=False))
         _write(out / "quality_comparisons.csv", comparisons.to_csv(index=False))
-        _write(out / "quality.md", quality_markdown(quality, comparisons))
+        by_turn, turn_comparisons = quality_by_turn(samples)
+        if not by_turn.empty:
+            _write(out / "quality_turns.csv", by_turn.to_csv(index=False))
+            _write(out / "quality_turn_comparisons.csv", turn_comparisons.to_csv(index=False))
+        _write(out / "quality.md", quality_markdown(quality, comparisons) + quality_turns_markdown(turn_comparisons))
         quality_plot(quality, out / "plots")
     if not missing.empty:
         logger.warning("%d missing cell(s), listed in %s", len(missing), out / "missing.csv")

@@ -10,7 +10,8 @@ chunks, :class:`kvpress_critical.presses.chunked_prefill_press.ChunkedPrefillPre
 the press name, so of the results folder, and the press's repr in ``config.yaml`` shows it). ``no_press`` runs once
 per model and dataset
 (kvpress forces its ratio to 0). A model is a name (or path), ``embedded`` for this package's SmolLM2, or a
-mapping ``{name: ..., gpus: 2}`` for models that need several GPUs.
+mapping ``{name: ..., gpus: 2}`` for models that need several GPUs. A press is a registry name or a mapping that
+sets its parameters (:func:`press_entry`); DuoAttention's ratio is passed as ``head_compression_ratio``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from evaluation.registry import HEAD_RATIO_PRESSES, variant_name
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 EMBEDDED = "embedded"
@@ -114,7 +117,7 @@ def load_preset(preset: str) -> Preset:
         name=path.stem,
         models=models,
         datasets=datasets,
-        presses=[str(p) for p in raw["presses"]],
+        presses=[press_entry(p, path) for p in raw["presses"]],
         compression_ratios=[float(r) for r in raw["compression_ratios"]],
         config={k: raw[k] for k in CONFIG_KEYS if k in raw},
         output_dir=str(raw.get("output_dir", f"outputs/{path.stem}")),
@@ -123,6 +126,25 @@ def load_preset(preset: str) -> Preset:
         chunk_size=None if raw.get("chunk_size") is None else int(raw["chunk_size"]),
         slurm=dict(raw.get("slurm") or {}),
     )
+
+
+def press_entry(entry, path: Path) -> str:
+    """
+    A preset's press: a registry name, or ``{press: <name>, <parameter>: <value>...}`` (``first_stage_ratio``,
+    ``window_size``, ``kernel_size``, ``norm``) which becomes the name of that variant
+    (:func:`evaluation.registry.variant_name`: ``{press: snapkv, window_size: 256, kernel_size: 1}`` is
+    ``snapkv_window256_kernel1``), so that the results folder names it and variants never collide.
+    """
+    if not isinstance(entry, dict):
+        return str(entry)
+    parameters = dict(entry)
+    name = parameters.pop("press", None)
+    if name is None:
+        raise ValueError(f"{path}: a press given as a mapping needs 'press: <registry name>', got {entry}")
+    try:
+        return variant_name(str(name), **parameters)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
 
 
 def model_name_for_kvpress(model: Model) -> str:
@@ -150,5 +172,7 @@ def expand(preset: Preset) -> list[Job]:
                         press_name=press,
                         compression_ratio=ratio,
                     )
+                    if press in HEAD_RATIO_PRESSES:  # DuoAttention: the ratio of heads reduced to sink + window
+                        config["head_compression_ratio"] = ratio
                     jobs.append(Job(model, dataset, press, ratio, config))
     return jobs

@@ -211,6 +211,52 @@ def quality_markdown(summary: pd.DataFrame, comparisons: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def quality_by_turn(samples: pd.DataFrame, n_resamples: int = 2000) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """For multi-turn runs (a ``turn`` column), :func:`quality_summary` and :func:`quality_comparisons` per turn."""
+    if samples.empty or "turn" not in samples.columns or samples["turn"].isna().all():
+        return pd.DataFrame(), pd.DataFrame()
+    summaries, comparisons = [], []
+    for turn, part in samples.dropna(subset=["turn"]).groupby("turn"):
+        summary = quality_summary(part)
+        summary.insert(4, "turn", int(turn))
+        summaries.append(summary)
+        paired = quality_comparisons(part, n_resamples)
+        if not paired.empty:
+            paired.insert(4, "turn", int(turn))
+            comparisons.append(paired)
+    return pd.concat(summaries, ignore_index=True), (
+        pd.concat(comparisons, ignore_index=True) if comparisons else pd.DataFrame()
+    )
+
+
+def quality_turns_markdown(comparisons: pd.DataFrame) -> str:
+    """Per-turn paired comparisons of multi-turn runs, as markdown (empty without any)."""
+    if comparisons.empty:
+        return ""
+    lines = [
+        "## Per turn (multi-turn runs)",
+        "",
+        "Each turn asked after the earlier questions and their reference answers, over the context compressed once. "
+        "Reductions as above (95% cluster-bootstrap intervals over contexts).",
+        "",
+    ]
+    for (model, benchmark), group in comparisons.groupby(["model", "benchmark"], sort=False):
+        lines += [
+            f"### {model} — {benchmark}",
+            "",
+            "| cache | press vs base | turn | n | NLL loss: base → press | NLL loss reduction | KL reduction |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for _, r in group.sort_values(["cache_size", "press", "turn"], ascending=[False, True, True]).iterrows():
+            lines.append(
+                f"| {r['cache_size']:g}% | {r['press']} vs {r['base']} | {int(r['turn']) + 1} | {int(r['n_samples'])} "
+                f"| {r['base_nll_loss']:.3f} → {r['press_nll_loss']:.3f} | {_interval(r, 'nll_loss_reduction')} "
+                f"| {_interval(r, 'kl_reduction')} |"
+            )
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
 def quality_plot(summary: pd.DataFrame, folder: Path) -> list[Path]:
     """NLL loss and KL vs cache size, one PNG per model and benchmark, one line per press."""
     import matplotlib

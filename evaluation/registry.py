@@ -30,6 +30,20 @@ BASELINE = "no_press"
 # chunked prefill (ChunkedPrefillPress): any registered press with the chunk size in its name, registered on demand
 CHUNKED = re.compile(r"^(?P<base>.+)_chunk(?P<size>\d+)$")
 
+# press parameters set from a name suffix (``critical_adakv_snapkv_alpha0.2``, ``snapkv_window256_kernel1``): the
+# suffix names the variant in the results folder, the press's repr in config.yaml shows the value.
+# suffix -> (attribute set on every press inside that has it, type, whether the critical press alone owns it)
+PARAMETERS = MappingProxyType(
+    {
+        "alpha": ("first_stage_ratio", float, True),  # CriticalKV's first-stage ratio (the paper's alpha)
+        "window": ("window_size", int, False),  # the scorer's observation window (SnapKV, PyramidKV...)
+        "kernel": ("kernel_size", int, False),  # the scorer's pooling kernel (1: none)
+    }
+)
+VARIANT = re.compile(r"^(?P<base>.+)_(?P<key>" + "|".join(PARAMETERS) + r")(?P<value>\d+(?:\.\d+)?)$")
+# kvpress's presses whose size is a head compression ratio (the sweep's ratio is passed as head_compression_ratio)
+HEAD_RATIO_PRESSES = frozenset({"duo_attention", "duo_attention_on_the_fly", f"{BUILTIN_PREFIX}duo_attention"})
+
 # critical press -> the press it is compared against (same base scores, no CriticalKV selection); the L2, compact,
 # chunked and kvpress-built-in variants follow from these by name (critical_base)
 CRITICAL_BASES = MappingProxyType(
@@ -51,7 +65,40 @@ def chunked_name(name: str, chunk_size: int) -> str:
     return f"{name}_chunk{chunk_size}"
 
 
+def variant_name(press: str, **parameters) -> str:
+    """
+    The registry name of ``press`` with ``parameters`` set (attribute names: ``first_stage_ratio``, ``window_size``,
+    ``kernel_size``; ``norm="l2"`` picks the ``_l2`` press): ``variant_name("snapkv", window_size=256,
+    kernel_size=1) == "snapkv_window256_kernel1"``.
+    """
+    by_attribute = {attribute: key for key, (attribute, _, _) in PARAMETERS.items()}
+    name = press
+    norm = parameters.pop("norm", None)
+    if norm not in (None, "l1", "l2"):
+        raise ValueError(f"{press}: norm must be 'l1' or 'l2', got {norm!r}")
+    if norm == "l2":  # the L2 presses are registered as <press>_l2 (and <press>_l2_compact)
+        compact = name.endswith(COMPACT_SUFFIX)
+        name = name.removesuffix(COMPACT_SUFFIX) + L2_SUFFIX + (COMPACT_SUFFIX if compact else "")
+    unknown = sorted(set(parameters) - set(by_attribute))
+    if unknown:
+        raise ValueError(f"{press}: unknown press parameter(s) {unknown}; known: norm, {', '.join(by_attribute)}")
+    for attribute in by_attribute:  # one canonical order: one name per variant
+        if attribute in parameters:
+            key = by_attribute[attribute]
+            value = PARAMETERS[key][1](parameters[attribute])
+            if value < 0:
+                raise ValueError(f"{press}: {attribute} must be >= 0, got {value}")
+            name += f"_{key}{value:g}" if isinstance(value, float) else f"_{key}{value}"
+    return name
+
+
 def _paired(name: str, pairs, variants: bool) -> str | None:
+    match = VARIANT.match(name)
+    if match is not None:  # a parameter of the critical press alone disappears from its base's name
+        base = _paired(match["base"], pairs, variants)
+        if base is None or PARAMETERS[match["key"]][2]:
+            return base
+        return f"{base}_{match['key']}{match['value']}"
     match = CHUNKED.match(name)
     if match is not None:
         base = _paired(match["base"], pairs, variants)
@@ -91,6 +138,7 @@ def our_presses() -> dict:
     """The presses this package adds to kvpress's registry, by name (fresh instances)."""
     from kvpress import AdaKVPress, ExpectedAttentionPress, SnapKVPress
 
+    from evaluation.duo_attention import DuoAttentionPatternPress
     from kvpress_critical import (
         CompactCachePress,
         CriticalAdaKVPress,
@@ -113,6 +161,8 @@ def our_presses() -> dict:
         "headkv_expected_attention_no_vnorm": HeadKVPress(ExpectedAttentionPress(use_vnorm=False)),
         "defensivekv": DefensiveKVPress(),
         "layer_defensivekv": LayerDefensiveKVPress(),
+        # kvpress's, with Llama-3.1's current name and a local pattern folder ($KVPRESS_DUO_PATTERNS)
+        "duo_attention": DuoAttentionPatternPress(),
     }
     for norm, suffix in (("l1", ""), ("l2", "_l2")):
         presses[f"critical_snapkv{suffix}"] = CriticalKVPress(SnapKVPress(), norm=norm)
@@ -135,24 +185,53 @@ def our_presses() -> dict:
     return presses
 
 
+def set_parameter(press, attribute: str, value) -> list:
+    """Set ``attribute`` on every press inside ``press`` that has it; returns those presses (empty: none has it)."""
+    from kvpress_critical.capabilities import nested_presses
+
+    targets = [p for p in nested_presses(press) if attribute in getattr(p, "__dataclass_fields__", {})]
+    for target in targets:
+        setattr(target, attribute, value)
+    return targets
+
+
 def ensure_press(registry: ModuleType, name: str) -> bool:
     """
-    Whether ``name`` is in kvpress's registry, after registering it if it is a chunked variant of a registered press
-    (``<press>_chunk<N>``: ``ChunkedPrefillPress(<press>, chunk_size=N)``, inside ``CompactCachePress`` for compact
-    variants); its comparison pair follows from the name (:func:`critical_base`).
+    Whether ``name`` is in kvpress's registry, after registering it if it is a variant of a registered press: a
+    parameter suffix (``<press>_alpha0.2``, ``_window256``, ``_kernel1``: :data:`PARAMETERS`, a copy of the press
+    with that parameter set) or a chunked prefill (``<press>_chunk<N>``: ``ChunkedPrefillPress(<press>,
+    chunk_size=N)``, inside ``CompactCachePress`` for compact variants). Its comparison pair follows from the name
+    (:func:`critical_base`). A parameter no press inside has raises ``ValueError``.
     """
     presses = registry.PRESS_REGISTRY
     if name in presses:
         return True
+    variant = VARIANT.match(name)
+    if variant is not None:
+        if not ensure_press(registry, variant["base"]):
+            return False
+        attribute, kind, _ = PARAMETERS[variant["key"]]
+        press = copy.deepcopy(presses[variant["base"]])
+        if not set_parameter(press, attribute, kind(variant["value"])):
+            raise ValueError(
+                f"press {name!r}: {variant['base']} ({type(press).__name__}) has no {attribute} to set from the "
+                f"suffix _{variant['key']}"
+            )
+        presses[name] = press
+        return True
     match = CHUNKED.match(name)
-    if match is None or match["base"] not in presses:
+    if match is None or not ensure_press(registry, match["base"]):
         return False
     from kvpress_critical import CompactCachePress
     from kvpress_critical.presses.chunked_prefill_press import ChunkedPrefillPress
 
     base, size = presses[match["base"]], int(match["size"])
     if isinstance(base, CompactCachePress):
-        press = CompactCachePress(ChunkedPrefillPress(copy.deepcopy(base.press), chunk_size=size), reserve=base.reserve)
+        press = CompactCachePress(
+            ChunkedPrefillPress(copy.deepcopy(base.press), chunk_size=size),
+            reserve=base.reserve,
+            quantize=base.quantize,
+        )
     else:
         press = ChunkedPrefillPress(copy.deepcopy(base), chunk_size=size)
     presses[name] = press
@@ -170,24 +249,30 @@ def set_head_scores(press, head_scores) -> bool:
     return True
 
 
-def register(registry: ModuleType, datasets: dict[str, str | os.PathLike] | None = None) -> None:
+def register(
+    registry: ModuleType,
+    datasets: dict[str, str | os.PathLike] | None = None,
+    scorers: dict[str, str] | None = None,
+) -> None:
     """
-    Add our presses, and local datasets scored like RULER, to kvpress's ``evaluate_registry`` in place.
+    Add our presses, and local datasets, to kvpress's ``evaluate_registry`` in place.
 
     Parameters
     ----------
     registry : module
         kvpress's ``evaluate_registry`` (see ``evaluation.kvpress_eval.import_kvpress_evaluation``).
     datasets : dict, optional
-        ``{name: local folder}`` of RULER-format datasets (``kvpress_critical.data.save_ruler_dataset``);
-        each is loaded by the runner through ``datasets.load_dataset(folder, data_dir=...)`` and scored by
-        kvpress's RULER scorer.
+        ``{name: local folder}`` of datasets in kvpress's columns (``kvpress_critical.data.save_ruler_dataset``);
+        each is loaded by the runner through ``datasets.load_dataset(folder, data_dir=...)``.
+    scorers : dict, optional
+        ``{name: scorer}`` for those datasets: ``"ruler"`` (kvpress's RULER scorer, the default) or ``"scbench"``
+        (:func:`kvpress_critical.data.scbench.calculate_metrics`).
     """
     press_registry = registry.PRESS_REGISTRY
     ours = our_presses()
     for name in ours:
         builtin = press_registry.get(name)
-        if builtin is not None and name.startswith("critical_"):
+        if builtin is not None and (name.startswith("critical_") or name == "duo_attention"):
             press_registry.setdefault(f"{BUILTIN_PREFIX}{name}", builtin)
     press_registry.update(ours)
     for name, folder in (datasets or {}).items():
@@ -195,5 +280,13 @@ def register(registry: ModuleType, datasets: dict[str, str | os.PathLike] | None
         if current is not None and current != str(folder) and not os.path.isabs(current):
             raise ValueError(f"dataset name {name!r} is kvpress's own ({current}); give the local dataset another name")
         registry.DATASET_REGISTRY[name] = str(folder)
-        registry.SCORER_REGISTRY[name] = registry.SCORER_REGISTRY["ruler"]
+        scorer = (scorers or {}).get(name, "ruler")
+        if scorer == "scbench":
+            from kvpress_critical.data.scbench import calculate_metrics
+
+            registry.SCORER_REGISTRY[name] = calculate_metrics
+        elif scorer == "ruler":
+            registry.SCORER_REGISTRY[name] = registry.SCORER_REGISTRY["ruler"]
+        else:
+            raise ValueError(f"dataset {name!r}: unknown scorer {scorer!r} (ruler or scbench)")
     logger.debug("registered %d presses and datasets %s", len(ours), sorted(datasets or {}))

@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
 
     datasets = prepare_datasets(preset, output_dir) if not args.dry_run else _planned_datasets(preset, output_dir)
     kv = import_kvpress_evaluation(args.kvpress_eval_dir)
-    register(kv.registry, datasets)
+    scorers = dataset_scorers(preset)
+    register(kv.registry, datasets, scorers)
     check_presses(preset, kv.registry)
     jobs = name_jobs(expand(preset), kv)
 
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     # config.yaml records the output folder as the user gave it (not this machine's absolute path)
     label = args.output_dir or preset.output_dir
     extra = {"datasets": datasets, "kvpress_eval_dir": str(kv.folder), "output_dir_label": label}
+    extra["dataset_scorers"] = scorers
     if preset.head_scores:  # absolute paths: workers run elsewhere (the embedded model's folder, a cluster node)
         extra["head_scores"] = {m: str(Path(p).expanduser().resolve()) for m, p in preset.head_scores.items()}
     if any(m.embedded for m in preset.models):
@@ -325,6 +327,19 @@ def _slurm(args, preset: Preset, jobs, output_dir: Path, extra: dict, expected, 
         + (f" --output-dir {args.output_dir}" if args.output_dir else "")
     )
     return 0
+
+
+def dataset_scorers(preset: Preset) -> dict[str, str]:
+    """The scorer of each generated dataset (``ruler`` unless its generator has its own, e.g. ``scbench``)."""
+    from kvpress_critical.data import SCORERS
+
+    scorers: dict[str, str] = {}
+    for spec in preset.datasets:
+        if spec.generate:
+            scorer = SCORERS.get(spec.generate.get("generator", "ruler"), "ruler")
+            if scorers.setdefault(spec.dataset, scorer) != scorer:
+                raise SystemExit(f"dataset {spec.dataset}: its data_dirs come from generators with different scorers")
+    return scorers
 
 
 def _planned_datasets(preset: Preset, output_dir: Path) -> dict[str, str]:

@@ -201,28 +201,38 @@ def ensure_reference(pipe: LikelihoodPipeline, path: Path, samples: list[tuple[s
     The first caller computes them with ``pipe`` (no press, targets only, no generation) under a file lock and
     publishes them atomically; later callers (other configurations of a sweep, even in other processes) load them.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
-        if path.is_file():
-            return torch.load(path, weights_only=False)
+
+    def compute() -> dict:
         logger.info("computing the full-cache reference for %d contexts into %s", len(samples), path)
         previous = (pipe.score_only, pipe.reference, pipe.records, pipe.scores)
         pipe.score_only, pipe.reference, pipe.records, pipe.scores = True, None, [], {}
         try:
             for context, questions in samples:
                 pipe(context, questions=questions, press=None, max_new_tokens=1)
-            reference = dict(pipe.scores)
+            return dict(pipe.scores)
         finally:
             pipe.score_only, pipe.reference, pipe.records, pipe.scores = previous
+
+    return computed_once(path, compute)
+
+
+def computed_once(path: Path, compute) -> dict:
+    """``compute()``'s result stored at ``path``: computed by the first caller under a file lock and published
+    atomically, loaded by later callers (other configurations of a sweep, even in other processes)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if path.is_file():
+            return torch.load(path, weights_only=False)
+        result = compute()
         fd, tmp = tempfile.mkstemp(prefix=".reference-", suffix=".pt", dir=path.parent)
         os.close(fd)
         try:
-            torch.save(reference, tmp)
+            torch.save(result, tmp)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-        return reference
+        return result
 
 
 def perplexity(nll: float) -> float:

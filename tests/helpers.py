@@ -1,10 +1,12 @@
 """Shared test utilities: tiny config-built models, observing what a press keeps, running the evaluation driver."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -151,7 +153,7 @@ SMOKE_PRESET = {
             },
         },
     ],
-    # kvpress's runner rejects duo_attention without head_compression_ratio: a configuration that fails
+    # DuoAttention publishes no head pattern for the embedded model: a configuration that fails
     "presses": ["no_press", "duo_attention", "critical_snapkv", "critical_adakv_snapkv"],
     "compression_ratios": [0.5],
     "device": "cpu",
@@ -163,3 +165,45 @@ SMOKE_GOOD = [
     f"ruler_offline__384__{SMOKE_MODEL}__critical_adakv_snapkv__0.50",
 ]
 SMOKE_FAILING = f"ruler_offline__384__{SMOKE_MODEL}__duo_attention__0.50"
+
+
+# SCBench's multi-turn tasks in the public dataset's format, small enough for the embedded model
+UUIDS = [f"{i:08x}-7e1a-4c2b-9f3d-{i * 7919:012x}" for i in range(1, 17)]
+
+
+def scbench_sample(folder, n_examples: int = 2, n_pairs: int = 8) -> None:
+    """Three tasks in the public dataset's format (data/<task>.jsonl), small enough to run on the embedded model."""
+    data = folder / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    kv, mf, qa = [], [], []
+    for i in range(n_examples):
+        pairs = {UUIDS[(i + j) % 16]: UUIDS[(i + 2 * j + 5) % 16] for j in range(n_pairs)}
+        keys = list(pairs)
+        turns = [
+            {"input": f'Key: "{k}"\nThe value associated with the specified key is:', "answer": pairs[k]}
+            for k in keys[:2]
+        ]
+        kv.append({"id": i, "context": json.dumps(pairs), "multi_turns": turns})
+        numbers = [int(x) for x in np.random.default_rng(i).integers(0, 1000, 40)]
+        mf.append(
+            {
+                "id": i,
+                "context": numbers,
+                "multi_turns": [
+                    {"input": "The largest number of the list is", "answer": max(numbers)},
+                    {"input": "The smallest number of the list is", "answer": min(numbers)},
+                ],
+            }
+        )
+        qa.append(
+            {
+                "id": i,
+                "context": f"Chapter one. The keeper of the light was called Mara {i}. She kept a logbook.",
+                "multi_turns": [
+                    {"input": "Who kept the light?", "answer": f"Mara {i}"},
+                    {"input": "What did she keep?", "answer": "a logbook"},
+                ],
+            }
+        )
+    for task, rows in (("scbench_kv", kv), ("scbench_mf", mf), ("scbench_qa_eng", qa)):
+        (data / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

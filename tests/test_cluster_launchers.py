@@ -27,24 +27,25 @@ def test_ray_launcher(smoke_sweep, tmp_path):
     pytest.importorskip("ray", reason="ray is in the cluster extra: pip install -e '.[cluster]'")
     preset, local_results, _ = smoke_sweep
     out = tmp_path / "results"
+    presses = "critical_snapkv,duo_attention"  # one that runs, one that fails (fewer configurations: Ray is slow)
     first = evaluate(
-        "--preset", str(preset), "--output-dir", str(out), "--presses", PRESSES, "--launcher", "ray", "--threads", "1"
+        "--preset", str(preset), "--output-dir", str(out), "--presses", presses, "--launcher", "ray", "--threads", "1"
     )
     log = first.stdout + first.stderr
     assert first.returncode == 1, log[-3000:]  # one configuration failed; the sweep went on
-    for name in GOOD:  # the others published, identical to the local launcher's results
+    for name in GOOD[1:]:  # the other published, identical to the local launcher's result
         assert (out / name / "metrics.json").is_file(), log[-3000:]
         pd.testing.assert_frame_equal(predictions(out / name), predictions(local_results / name))
         assert json.loads((out / name / "metrics.json").read_text()) == json.loads(
             (local_results / name / "metrics.json").read_text()
         )
     assert not (out / FAILING).exists() and (out / "failed" / f"{FAILING}.txt").is_file()
-    assert "head_compression_ratio" in (out / "failed" / f"{FAILING}.txt").read_text()
+    assert "duo_attention_on_the_fly" in (out / "failed" / f"{FAILING}.txt").read_text()
     assert (out / "summary" / "summary.csv").is_file()
     assert not list((out / ".staging").iterdir()) and not list((out / ".jobs").iterdir())
     # a second run resumes: the finished configurations are not run again, and with nothing pending (the failing
     # press left out) no Ray cluster is started
-    stamps = {name: (out / name / "predictions.csv").stat().st_mtime_ns for name in GOOD}
+    stamps = {name: (out / name / "predictions.csv").stat().st_mtime_ns for name in GOOD[1:]}
     second = evaluate(
         "--preset",
         str(preset),
@@ -55,12 +56,12 @@ def test_ray_launcher(smoke_sweep, tmp_path):
         "--threads",
         "1",
         "--presses",
-        "no_press,critical_snapkv",
+        "critical_snapkv",
     )
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
-    assert "2 finished configuration(s) skipped" in second.stdout + second.stderr
+    assert "1 finished configuration(s) skipped" in second.stdout + second.stderr
     assert "nothing pending: Ray is not started" in second.stdout + second.stderr
-    assert {name: (out / name / "predictions.csv").stat().st_mtime_ns for name in GOOD} == stamps
+    assert {name: (out / name / "predictions.csv").stat().st_mtime_ns for name in GOOD[1:]} == stamps
 
 
 def test_slurm_array_for_the_paper_preset(tmp_path):

@@ -45,7 +45,7 @@ def test_sweep_produces_kvpress_results_and_isolates_failures(smoke_sweep):
         assert len(predictions) == 2 and predictions["predicted_answer"].notna().all()
     assert [p.name for p in (output / "failed").iterdir()] == [f"{FAILING}.txt"]
     failure = (output / "failed" / f"{FAILING}.txt").read_text()
-    assert "Traceback" in failure and "head_compression_ratio" in failure
+    assert "duo_attention_on_the_fly" in failure  # DuoAttention has no published pattern for the embedded model
     assert f"FAILED {FAILING}" in result.stderr
     assert not (output / FAILING).exists()
     assert not any((output / ".staging").iterdir())

@@ -165,7 +165,7 @@ QUALITY_PRESET = {
             "dataset": "quality_prose",
             "data_dir": "256",
             "generate": {"generator": "quality", "context_length": 256, "n_contexts": 2, "haystack": "prose"},
-        }
+        },
     ],
     "presses": ["no_press", "snapkv", "critical_snapkv"],
     "compression_ratios": [0.5],
@@ -200,3 +200,51 @@ def test_quality_sweep_through_kvpress_runner(tmp_path):
     assert row["n_samples"] == 2 * len(QUALITY_TASKS) and row["n_contexts"] == 2
     assert "critical_snapkv vs snapkv" in (out / "summary" / "quality.md").read_text()
     assert len(list((out / "reference").glob("*.pt"))) == 1  # one full-cache reference, shared by every job
+
+
+@pytest.mark.slow
+def test_multiturn_source_through_kvpress_runner(tmp_path, smollm2_pipeline):
+    """The quality benchmark's multi-turn source: each context's questions asked as one conversation over the
+    compressed context (kvpress's runner, its inference step replaced), each turn after the earlier targets; the
+    likelihood per turn (the full-cache conversation is the reference) and the per-turn tables of the aggregation."""
+    from evaluation.aggregate import aggregate
+    from evaluation.kvpress_eval import import_kvpress_evaluation
+    from evaluation.multiturn import multiturn_runner
+    from evaluation.registry import register
+    from evaluation.worker import LIKELIHOOD_FILE, likelihood_targets, write_likelihood
+    from kvpress_critical.data import save_ruler_dataset
+    from kvpress_critical.likelihood import reference_path
+
+    kv = import_kvpress_evaluation()
+    df = generate_quality_dataset(smollm2_pipeline.tokenizer, context_length=256, n_contexts=2, turns=True)
+    assert list(df["turn_idx"]) == list(range(5)) * 2
+    save_ruler_dataset(df, tmp_path / "data", "256")
+    register(kv.registry, {"quality_turns": str(tmp_path / "data")})
+    out = tmp_path / "results"
+    config = dict(dataset="quality_turns", data_dir="256", model="SmolLM2-135M-Instruct", max_new_tokens=4)
+    targets = likelihood_targets(df, config)
+    reference = reference_path(out, "turns")
+
+    class Runner(multiturn_runner(kv.evaluate, targets, reference)):
+        def _setup_model_pipeline(self):  # the session's embedded model, instead of loading it again
+            self.pipeline = smollm2_pipeline
+
+    for press in ("no_press", "snapkv", "critical_snapkv"):
+        runner = Runner(
+            kv.evaluate.EvaluationConfig(
+                **config, press_name=press, compression_ratio=0.5, output_dir=str(out), log_level="WARNING"
+            )
+        )
+        runner.run_evaluation()
+        folder = out / f"quality_turns__256__SmolLM2-135M-Instruct__{press}__{0.0 if press == 'no_press' else 0.5:.2f}"
+        write_likelihood(runner.records, df, folder / LIKELIHOOD_FILE)
+        likelihood = pd.read_csv(folder / LIKELIHOOD_FILE)
+        assert sorted(likelihood["turn"]) == sorted(list(range(5)) * 2)
+        assert likelihood[["nll", "kl_topk", "nll_full"]].notna().all().all()
+        if press == "no_press":  # the full-cache conversation is the reference, turn after turn
+            assert likelihood["kl_topk"].abs().max() < 1e-6
+            assert np.allclose(likelihood["nll"], likelihood["nll_full"], atol=1e-5)
+    summary = aggregate(out)
+    by_turn = pd.read_csv(summary / "quality_turn_comparisons.csv")
+    assert sorted(by_turn["turn"].unique()) == [0, 1, 2, 3, 4] and set(by_turn["press"]) == {"critical_snapkv"}
+    assert "## Per turn" in (summary / "quality.md").read_text()

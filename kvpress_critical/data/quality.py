@@ -140,6 +140,7 @@ def generate_quality_dataset(
     tasks: Sequence[str] | None = None,
     seed: int = 0,
     max_new_tokens: int = MAX_NEW_TOKENS,
+    turns: bool = False,
 ) -> pd.DataFrame:
     """
     Contexts with planted facts and one question per task, offline and deterministic.
@@ -158,6 +159,9 @@ def generate_quality_dataset(
         Among :data:`QUALITY_TASKS` (default: all five).
     seed : int, default=0
     max_new_tokens : int, default=16
+    turns : bool, default=False
+        Ask a context's questions as the turns of one conversation, in the order of ``tasks`` (columns ``turn_idx``
+        and ``n_turns``; :mod:`evaluation.multiturn`): each question after the earlier ones and their targets.
 
     Returns
     -------
@@ -190,7 +194,7 @@ def generate_quality_dataset(
         guess, (context, questions), n_tokens = _fit(build, count, context_length, 1, 1 << 20, guess)
         if n_tokens < lower:
             raise ValueError(f"context {index}: reached only {n_tokens} tokens for context_length={context_length}")
-        for task, (question, answer, target) in questions.items():
+        for turn, (task, (question, answer, target)) in enumerate(questions.items()):
             rows.append(
                 dict(
                     context=context,
@@ -201,6 +205,7 @@ def generate_quality_dataset(
                     max_new_tokens=max_new_tokens,
                     target=target,
                     context_id=f"{haystack}-{seed}-{index}",
+                    **(dict(turn_idx=turn, n_turns=len(questions)) if turns else {}),
                 )
             )
-    return pd.DataFrame(rows, columns=list(COLUMNS))
+    return pd.DataFrame(rows, columns=list(COLUMNS) + (["turn_idx", "n_turns"] if turns else []))
