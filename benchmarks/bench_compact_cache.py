@@ -163,14 +163,18 @@ def crop(cache, length_per_layer: list[int]) -> None:
         layer.crop(length)
 
 
-def presses(ratio: float) -> dict:
+LAYOUTS = ("pruning", "masking", "compact")
+
+
+def presses(ratio: float, layouts=LAYOUTS) -> dict:
     from kvpress import SnapKVPress
 
-    return {
-        "CriticalKV(SnapKV) pruning": CriticalKVPress(SnapKVPress(ratio)),
-        "CriticalAdaKV(SnapKV) masking": CriticalAdaKVPress(SnapKVPress(ratio)),
-        "CriticalAdaKV(SnapKV) compact": CompactCachePress(CriticalAdaKVPress(SnapKVPress(ratio))),
+    every = {
+        "CriticalKV(SnapKV) pruning": lambda: CriticalKVPress(SnapKVPress(ratio)),
+        "CriticalAdaKV(SnapKV) masking": lambda: CriticalAdaKVPress(SnapKVPress(ratio)),
+        "CriticalAdaKV(SnapKV) compact": lambda: CompactCachePress(CriticalAdaKVPress(SnapKVPress(ratio))),
     }
+    return {name: make() for name, make in every.items() if name.rsplit(" ", 1)[1] in layouts}
 
 
 def measure(model, ids, name, press, args, device) -> dict:
@@ -245,6 +249,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default="4096,8192,16384")
     parser.add_argument("--ratios", default="0.5,0.75,0.9")
     parser.add_argument("--decode-steps", type=int, default=64)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="of CriticalKV: pruning, masking, compact")
     parser.add_argument("--repeats", type=int, default=1, help="(accepted for gpu_check.sh; one pass per config)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (gpu_check dry run)")
     args = parse_arguments(parser, argv)
@@ -269,7 +274,7 @@ def main(argv=None) -> int:
         full["ratio"] = 0.0
         group = [full]
         for ratio in [float(r) for r in args.ratios.split(",")]:
-            for name, press in presses(ratio).items():
+            for name, press in presses(ratio, args.layouts.split(",")).items():
                 row = measure(model, ids, name, press, args, device)
                 row["ratio"] = ratio
                 group.append(row)

@@ -9,9 +9,11 @@ lengths, every method runs on the same inputs, interleaved round-robin (see ``co
 - ``<backend>-l1`` / ``<backend>-l2``: :func:`kvpress_critical.projected_value_norm` with that backend
   (L2 through the cached Gram factors, 2*T*H*d^2 FLOPs; the factors are computed in the warm-up call).
 
-Peak extra memory is measured in a separate untimed call (``common.peak_extra_bytes``). Results go to
-``outputs/benchmarks/projected_norm_<device>.csv`` and ``.md`` (``--out-dir results/benchmarks``: the committed
-tables).
+On CPU, the arithmetic peak is measured before each case (``cpu_limits.arithmetic_peak``: register-only FMA loops on
+every thread, or AVX512-BF16 dot products for bfloat16 where the CPU has them) and each row reports its best fused
+L1 method's fraction of it. Peak extra memory is measured in a separate untimed call (``common.peak_extra_bytes``).
+Results go to ``outputs/benchmarks/projected_norm_<device>.csv`` and ``.md`` (``--out-dir results/benchmarks``: the
+committed tables).
 
     python benchmarks/bench_projected_norm.py                       # defaults below
     python benchmarks/bench_projected_norm.py --models llama --tokens 4096 --repeats 5
@@ -116,6 +118,13 @@ def run_case(model: str, k_len: int, dtype: torch.dtype, args, device: torch.dev
     floor_out = torch.empty(args.batch, k_len, shape["hidden"], dtype=dtype, device=device)
     timed = {name: fn for name, (fn, _, _) in found.items()}
     timed["floor"] = lambda: found["floor"][0](floor_out)  # the tightest floor: output preallocated
+    limit = None
+    # the arithmetic limit, measured now: register-only multiply-adds on every thread
+    if device.type == "cpu" and not args.no_cpu_peak:
+        from cpu_limits import arithmetic_peak
+
+        kind = "bf16" if dtype == torch.bfloat16 and arithmetic_peak("bf16") else "fp32"
+        limit = (kind, arithmetic_peak(kind))
     times = time_interleaved(timed, args.repeats, device)
     floor_out = None
 
@@ -147,6 +156,9 @@ def run_case(model: str, k_len: int, dtype: torch.dtype, args, device: torch.dev
                 peak_extra_mib=round(peak / 2**20, 3),
                 mem_vs_kvpress=round(peak / peaks["kvpress"], 5) if "kvpress" in peaks else float("nan"),
                 pct_bf16_peak=round(100 * flop / low / 1e12 / args.peak, 1) if args.peak else float("nan"),
+                cpu_peak=limit[0] if limit else "",
+                cpu_peak_gflops=round(limit[1] / 1e9, 1) if limit else float("nan"),
+                pct_cpu_peak=round(100 * flop / low / limit[1], 1) if limit else float("nan"),
             )
         )
         logger.info(
@@ -178,6 +190,9 @@ def render(all_rows: list[dict], device: torch.device) -> str:
     with_peak = any(r["pct_bf16_peak"] == r["pct_bf16_peak"] for r in all_rows)
     if with_peak:
         l1_header.append("best % of bf16 peak")
+    with_cpu_peak = any(r["pct_cpu_peak"] == r["pct_cpu_peak"] for r in all_rows)
+    if with_cpu_peak:
+        l1_header += ["measured peak GFLOP/s", "best % of peak"]
     l1_rows, l2_rows = [], []
     for (model, k_len, dtype), rows in groups.items():
         by = {r["method"]: r for r in rows}
@@ -196,6 +211,8 @@ def render(all_rows: list[dict], device: torch.device) -> str:
         ]
         if with_peak:
             row.append(fmt(best["pct_bf16_peak"], 1))
+        if with_cpu_peak:
+            row += [f"{fmt(best['cpu_peak_gflops'], 0)} ({best['cpu_peak']})", fmt(best["pct_cpu_peak"], 1)]
         l1_rows.append(row)
         best2 = best_fused(rows, "l2")
         if best2 is not None:
@@ -222,6 +239,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per method (after one warm-up)")
     parser.add_argument("--memory-max-tokens", type=int, default=8192, help="skip the memory pass above this")
     parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 tensor-core peak for the %% column")
+    parser.add_argument(
+        "--no-cpu-peak", action="store_true", help="skip the CPU's measured peak (its loop is compiled on first use)"
+    )
     args = parse_arguments(parser, argv)
     device = args.device
     args.peak = bf16_peak_tflops(device, args.peak_tflops)

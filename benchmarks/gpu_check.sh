@@ -173,13 +173,13 @@ if [ -f "$WORK/env.sh" ]; then source "$WORK/env.sh"; fi
 [ -n "${GPU_CHECK_WHEELS_ONLY:-}" ] && { echo "wheels checked"; exit $status; }
 step build 150 build
 step smoke 45 "$PY" benchmarks/gpu_smoke.py --device "$DEVICE" --tokens "$SMOKE_T" --out "$RESULTS/smoke.jsonl"
-step bench_llama_16bit 90 bench bench_projected_norm.py --models $LLAMA --dtypes bfloat16,float16 \
+step bench_llama_16bit 90 bench bench_projected_norm.py --no-cpu-peak --models $LLAMA --dtypes bfloat16,float16 \
   --tokens "$T16,$T32" --repeats "$REP" --memory-max-tokens "$T32"
 step spills 30 spills
 step tests 100 tests
-step bench_llama_fp32 45 bench bench_projected_norm.py --models $LLAMA --dtypes float32 --tokens "$T16,$T32" \
+step bench_llama_fp32 45 bench bench_projected_norm.py --no-cpu-peak --models $LLAMA --dtypes float32 --tokens "$T16,$T32" \
   --repeats "$REP" --memory-max-tokens 0
-step bench_other_shapes 40 bench bench_projected_norm.py $REST --dtypes bfloat16 --repeats "$REP" --memory-max-tokens 0
+step bench_other_shapes 40 bench bench_projected_norm.py --no-cpu-peak $REST --dtypes bfloat16 --repeats "$REP" --memory-max-tokens 0
 step bench_ragged_attention 40 bench bench_ragged_attention.py --repeats "$REP" $QUICK
 if kvpress_importable; then
   step bench_compact_cache 45 bench bench_compact_cache.py --model "$COMPACT_MODEL" --repeats "$REP" $QUICK

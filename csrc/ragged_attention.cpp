@@ -15,7 +15,8 @@
 // Work items are (segment, chunk of its context entries) plus one item per segment for the tail, handed out through
 // an atomic counter to at::parallel_for threads (so a few long heads do not serialise on one thread); each item
 // writes its partial (max, sum, unnormalised output) per row, and a second pass merges the items of each segment.
-// No padding is materialised: a segment's keys are read in place (fp32, unit stride) or converted block by block.
+// No padding is materialised: K and V stream from memory once, read in place in fp32 or converted in registers from
+// bfloat16 / half (cpu_attention_kernel.inc: vectorised scores, exp and output update, VL keys at a time).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -31,7 +32,11 @@
 #include <cstdlib>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 namespace kvpress_critical {
 namespace {
@@ -39,32 +44,43 @@ namespace {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define KVPC_X86_ATTENTION 1
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")
 namespace attn_avx512 {
-constexpr int VL = 16;
+#define KVPC_VL 16
+#define KVPC_F16_VECTOR 1
 #include "cpu_attention_kernel.inc"
+#undef KVPC_F16_VECTOR
+#undef KVPC_VL
 }  // namespace attn_avx512
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace attn_avx2 {
-constexpr int VL = 8;
+#define KVPC_VL 8
+#define KVPC_F16_VECTOR 1
 #include "cpu_attention_kernel.inc"
+#undef KVPC_F16_VECTOR
+#undef KVPC_VL
 }  // namespace attn_avx2
 #pragma GCC pop_options
 #endif
 
 namespace attn_generic {
-constexpr int VL = 4;
+#define KVPC_VL 4
 #include "cpu_attention_kernel.inc"
+#undef KVPC_VL
 }  // namespace attn_generic
 
+using AttendFn = void (*)(const float*, int64_t, int64_t, const void*, int64_t, const void*, int64_t, int64_t,
+                          const int64_t*, float*, float*, float*, float*);
+
 struct AttentionIsa {
-  void (*scores)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*);
-  void (*accumulate)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*);
+  AttendFn f32, bf16, f16;  // one work item, by the dtype of the cache
   const char* name;
 };
+
+#define KVPC_ATTENTION_ISA(ns, label) AttentionIsa{ns::attend_f32, ns::attend_bf16, ns::attend_f16, label}
 
 // The best micro-kernels the CPU supports, at most KVPRESS_CRITICAL_CPU_ISA when set (as for the projected norm).
 const AttentionIsa& attention_isa() {
@@ -75,19 +91,17 @@ const AttentionIsa& attention_isa() {
     __builtin_cpu_init();
     const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-    const bool fma = __builtin_cpu_supports("fma");
-    if (cap == "avx512" && avx512 && fma)
-      return AttentionIsa{attn_avx512::attn_scores, attn_avx512::attn_accumulate, "avx512"};
-    if (cap != "generic" && __builtin_cpu_supports("avx2") && fma)
-      return AttentionIsa{attn_avx2::attn_scores, attn_avx2::attn_accumulate, "avx2"};
+    const bool fma = __builtin_cpu_supports("fma"), f16c = __builtin_cpu_supports("f16c");
+    if (cap == "avx512" && avx512 && fma && f16c) return KVPC_ATTENTION_ISA(attn_avx512, "avx512");
+    if (cap != "generic" && __builtin_cpu_supports("avx2") && fma && f16c) return KVPC_ATTENTION_ISA(attn_avx2, "avx2");
 #endif
-    return AttentionIsa{attn_generic::attn_scores, attn_generic::attn_accumulate, "generic"};
+    return KVPC_ATTENTION_ISA(attn_generic, "generic");
   }();
   return isa;
 }
 
-constexpr int64_t kKeyBlock = 32;     // keys per block: scores (R x 32) and the key / value blocks stay in L1
-constexpr int64_t kMinChunk = 256;    // context entries per work item, at least
+constexpr int64_t kMinChunk = 256;  // context entries per work item, at least
+constexpr int64_t kMaxVL = 16;      // the widest vector of the micro-kernels (their scratch is sized for it)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Item {
@@ -96,25 +110,12 @@ struct Item {
   bool tail;
 };
 
-// dst[r * d + k] = float(src[r * s_r + k * s_k]) for r < rows
-template <typename scalar_t>
-void convert_rows(const scalar_t* src, int64_t s_r, int64_t s_k, int64_t rows, int64_t d, float* dst) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t k = 0; k < d; ++k) dst[r * d + k] = static_cast<float>(src[r * s_r + k * s_k]);
-}
-
-// A block of kb rows of a (rows, d) matrix as fp32 rows `ld` apart: in place when possible, else converted into buf.
-const float* rows_as_float(const at::Tensor& t, const char* base, int64_t s_r, int64_t s_k, int64_t first, int64_t kb,
-                           int64_t d, float* buf, int64_t& ld) {
-  if (t.scalar_type() == at::kFloat && s_k == 1) {
-    ld = s_r;
-    return reinterpret_cast<const float*>(base) + first * s_r;
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "ragged_attention_cpu", [&] {
-    convert_rows(reinterpret_cast<const scalar_t*>(base) + first * s_r, s_r, s_k, kb, d, buf);
-  });
-  ld = d;
-  return buf;
+// The micro-kernels read rows with unit stride along head_dim, in fp32, bf16 or half (others are converted).
+at::Tensor kernel_layout(const at::Tensor& t) {
+  at::Tensor x = t;
+  const auto dtype = x.scalar_type();
+  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) x = x.to(at::kFloat);
+  return x.stride(-1) == 1 ? x : x.contiguous();
 }
 
 void check_args(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& cu,
@@ -144,22 +145,28 @@ void check_args(const at::Tensor& query, const at::Tensor& keys, const at::Tenso
                 "kvpress_critical: the CPU ragged attention takes floating-point CPU tensors");
 }
 
-at::Tensor ragged_attention_cpu(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                                const at::Tensor& cu_seqlens, const at::Tensor& tail_keys,
-                                const at::Tensor& tail_values, int64_t tail_len, double scale) {
-  check_args(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len);
+at::Tensor ragged_attention_cpu(const at::Tensor& query, const at::Tensor& keys_in, const at::Tensor& values_in,
+                                const at::Tensor& cu_seqlens, const at::Tensor& tail_keys_in,
+                                const at::Tensor& tail_values_in, int64_t tail_len, double scale) {
+  check_args(query, keys_in, values_in, cu_seqlens, tail_keys_in, tail_values_in, tail_len);
   const int64_t batch = query.size(0), heads = query.size(1), q_len = query.size(2), d = query.size(3);
-  const int64_t kv_heads = tail_keys.size(1), group = heads / kv_heads, segments = batch * kv_heads;
+  const int64_t kv_heads = tail_keys_in.size(1), group = heads / kv_heads, segments = batch * kv_heads;
   const int64_t rows = group * q_len;  // problem rows of a segment: row r = g * q_len + i
   at::Tensor out = at::empty({batch, q_len, heads, d}, query.options());
   if (out.numel() == 0) return out;
+  // one element type for the whole cache (the context's, usually the model's), unit stride along head_dim
+  const at::Tensor keys = kernel_layout(keys_in);
+  const at::Tensor values = kernel_layout(values_in).to(keys.scalar_type());
+  const at::Tensor tail_keys = kernel_layout(tail_keys_in).to(keys.scalar_type());
+  const at::Tensor tail_values = kernel_layout(tail_values_in).to(keys.scalar_type());
   const at::Tensor cu = cu_seqlens.contiguous();
   const int64_t* cu_ptr = cu.const_data_ptr<int64_t>();
   const int64_t n_entries = keys.size(0);
   TORCH_CHECK(cu_ptr[0] == 0 && cu_ptr[segments] == n_entries, "kvpress_critical: cu_seqlens must start at 0 and end "
               "at the number of packed entries (", n_entries, "), got ", cu_ptr[0], " .. ", cu_ptr[segments]);
 
-  // work items: context chunks of every segment, then one tail item per segment
+  // work items: context chunks of every segment (flash-decoding splits: a long head is spread over the threads),
+  // then one tail item per segment
   const int64_t threads = at::get_num_threads();
   const int64_t total = n_entries + segments * tail_len;
   const int64_t chunk = std::max<int64_t>(kMinChunk, (total + 4 * threads - 1) / (4 * threads));
@@ -180,22 +187,24 @@ at::Tensor ragged_attention_cpu(const at::Tensor& query, const at::Tensor& keys,
   float* const part = partial.mutable_data_ptr<float>();
 
   const AttentionIsa& isa = attention_isa();
+  const AttendFn attend = keys.scalar_type() == at::kFloat ? isa.f32 : keys.scalar_type() == at::kBFloat16 ? isa.bf16 : isa.f16;
+  const int64_t esize = keys.element_size();
   const char* k_base = static_cast<const char*>(keys.const_data_ptr());
   const char* v_base = static_cast<const char*>(values.const_data_ptr());
   const char* tk_base = static_cast<const char*>(tail_keys.const_data_ptr());
   const char* tv_base = static_cast<const char*>(tail_values.const_data_ptr());
-  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), vs0 = values.stride(0), vs1 = values.stride(1);
+  const int64_t ks0 = keys.stride(0), vs0 = values.stride(0);
   const float fscale = static_cast<float>(scale);
 
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(threads, std::max<int64_t>(n_items, 1));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    // per-thread scratch through torch's allocator: scaled queries, converted key / value blocks, scores
-    at::Tensor scratch = at::empty({rows * d + 2 * kKeyBlock * d + rows * kKeyBlock}, partial.options());
+    // per-thread scratch through torch's allocator: scaled queries | the micro-kernel's work space | causal limits
+    const int64_t work = (rows + 2 * d) * kMaxVL;
+    at::Tensor scratch = at::empty({rows * d + work}, partial.options());
     float* const qs = scratch.mutable_data_ptr<float>();
-    float* const kbuf = qs + rows * d;
-    float* const vbuf = kbuf + kKeyBlock * d;
-    float* const sc = vbuf + kKeyBlock * d;
+    float* const space = qs + rows * d;
+    std::vector<int64_t> last(rows);
     int64_t loaded_segment = -1;
 
     for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {
@@ -219,52 +228,16 @@ at::Tensor ragged_attention_cpu(const at::Tensor& query, const at::Tensor& keys,
       std::fill(m, m + rows, kNegInf);
       std::fill(l, l + rows, 0.0f);
       std::fill(acc, acc + rows * d, 0.0f);
-
-      for (int64_t j0 = item.begin; j0 < item.end; j0 += kKeyBlock) {
-        const int64_t kb = std::min(kKeyBlock, item.end - j0);
-        int64_t ldk, ldv;
-        const float *kp, *vp;
-        if (item.tail) {
-          const int64_t tk0 = b * tail_keys.stride(0) + kv * tail_keys.stride(1);
-          const int64_t tv0 = b * tail_values.stride(0) + kv * tail_values.stride(1);
-          const char* tkb = tk_base + tk0 * tail_keys.element_size();
-          const char* tvb = tv_base + tv0 * tail_values.element_size();
-          kp = rows_as_float(tail_keys, tkb, tail_keys.stride(2), tail_keys.stride(3), j0, kb, d, kbuf, ldk);
-          vp = rows_as_float(tail_values, tvb, tail_values.stride(2), tail_values.stride(3), j0, kb, d, vbuf, ldv);
-        } else {
-          const int64_t first = cu_ptr[item.segment] + j0;
-          kp = rows_as_float(keys, k_base, ks0, ks1, first, kb, d, kbuf, ldk);
-          vp = rows_as_float(values, v_base, vs0, vs1, first, kb, d, vbuf, ldv);
-        }
-        isa.scores(qs, rows, kp, ldk, kb, d, sc);  // (rows, kb)
-        for (int64_t r = 0; r < rows; ++r) {
-          float* sr = sc + r * kb;
-          if (item.tail) {  // query i sees tail positions <= tail_len - q_len + i
-            const int64_t last = tail_len - q_len + r % q_len;
-            for (int64_t j = 0; j < kb; ++j)
-              if (j0 + j > last) sr[j] = kNegInf;
-          }
-          float block_max = kNegInf;
-          for (int64_t j = 0; j < kb; ++j) block_max = std::max(block_max, sr[j]);
-          const float new_max = std::max(m[r], block_max);
-          if (new_max == kNegInf) {  // nothing visible yet in this row
-            std::fill(sr, sr + kb, 0.0f);
-            continue;
-          }
-          const float correction = std::exp(m[r] - new_max);  // exp(-inf) = 0 on the first visible block
-          float sum = 0.0f;
-          for (int64_t j = 0; j < kb; ++j) {
-            sr[j] = std::exp(sr[j] - new_max);
-            sum += sr[j];
-          }
-          l[r] = l[r] * correction + sum;
-          if (correction != 1.0f) {
-            float* ar = acc + r * d;
-            for (int64_t k = 0; k < d; ++k) ar[k] *= correction;
-          }
-          m[r] = new_max;
-        }
-        isa.accumulate(sc, rows, vp, ldv, kb, d, acc);
+      if (item.tail) {  // query i sees tail positions <= tail_len - q_len + i (causal among the new tokens)
+        for (int64_t r = 0; r < rows; ++r) last[r] = tail_len - q_len + r % q_len;
+        const char* tk = tk_base + (b * tail_keys.stride(0) + kv * tail_keys.stride(1)) * esize;
+        const char* tv = tv_base + (b * tail_values.stride(0) + kv * tail_values.stride(1)) * esize;
+        attend(qs, rows, d, tk, tail_keys.stride(2), tv, tail_values.stride(2), tail_len, last.data(), m, l, acc,
+               space);
+      } else {
+        const int64_t first = cu_ptr[item.segment] + item.begin;
+        attend(qs, rows, d, k_base + first * ks0 * esize, ks0, v_base + first * vs0 * esize, vs0,
+               item.end - item.begin, nullptr, m, l, acc, space);
       }
     }
   });

@@ -19,6 +19,8 @@ from kvpress_critical.ops.projected_norm import PROJECTED_NORM
 
 REPO = Path(__file__).resolve().parents[1]
 NAIVE = REPO / "kvpress_critical" / "ops" / "projected_norm" / "naive.py"
+ATTENTION_NAIVE = REPO / "kvpress_critical" / "ops" / "ragged_attention" / "naive.py"
+ATTENTION_LAYOUT = REPO / "kvpress_critical" / "ops" / "ragged_attention" / "layout.py"
 
 
 @pytest.fixture(scope="module")
@@ -117,31 +119,49 @@ def test_empty_inputs(ops):
 
 
 def test_every_cpu_instruction_set_matches_the_reference(ops):
-    """AVX-512, AVX2 and the generic micro-kernels (KVPRESS_CRITICAL_CPU_ISA caps the choice, read once per process)."""
-    # loads the library and the reference module by path: no package import (kvpress, transformers) per process
+    """AVX-512 (with and without the BF16 dot products), AVX2 and the generic micro-kernels of both ops against their
+    float64 references (KVPRESS_CRITICAL_CPU_ISA caps the choice, read once per process): strided fp32 and bf16
+    values for the projected norm; fp32, bf16 and half caches, a head_dim that is not a multiple of any vector width,
+    causal query rows and a long split segment for the ragged attention."""
+    # loads the library and the reference modules by path: no package import (kvpress, transformers) per process
     script = (
         "import importlib.util, torch\n"
-        f"spec = importlib.util.spec_from_file_location('naive', {str(NAIVE)!r})\n"
-        "naive = importlib.util.module_from_spec(spec); spec.loader.exec_module(naive)\n"
-        "projected_value_norm_ref = naive.projected_value_norm_ref\n"
+        "def load(name, path):\n"
+        "    spec = importlib.util.spec_from_file_location(name, path)\n"
+        "    module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); return module\n"
+        f"naive = load('naive', {str(NAIVE)!r})\n"
+        f"attention = load('attention', {str(ATTENTION_NAIVE)!r})\n"
+        f"layout = load('layout', {str(ATTENTION_LAYOUT)!r})\n"
         f"torch.ops.load_library({str(ext.extension_state().path)!r})\n"
+        "ops = torch.ops.kvpress_critical\n"
         "g = torch.Generator().manual_seed(0)\n"
         "v = torch.randn(3, 30, 2, 2 * 80, generator=g).transpose(1, 2)[..., ::2]\n"  # strided values
         "w = torch.randn(203, 8 * 80, generator=g) / 9\n"
-        "for norm in ('l1', 'l2'):\n"
-        "    out = torch.ops.kvpress_critical.projected_value_norm(v, w, 8, norm)\n"
-        "    torch.testing.assert_close(out, projected_value_norm_ref(v, w, 8, norm), rtol=2e-5, atol=1e-5)\n"
-        "print(torch.ops.kvpress_critical.cpu_kernel_isa())\n"
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "    vd, wd = v.to(dtype), w.to(dtype)\n"
+        "    for norm in ('l1', 'l2'):\n"
+        "        out = ops.projected_value_norm(vd, wd, 8, norm)\n"
+        "        ref = naive.projected_value_norm_ref(vd, wd, 8, norm)\n"
+        "        torch.testing.assert_close(out, ref.float(), rtol=2e-5, atol=1e-5)\n"
+        "for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-8), (torch.float16, 2**-10)):\n"
+        "    for d, group, q, lengths in ((72, 4, 3, [0, 37, 5, 300]), (128, 3, 1, [1700, 2])):\n"
+        "        inputs = layout.random_layout(len(lengths) // 2, 2, group, q, d, lengths, q + 2, q + 6, dtype=dtype)\n"
+        "        out = ops.ragged_attention(*inputs, q + 2, d ** -0.5)\n"
+        "        ref = attention.ragged_attention_ref(*inputs, tail_len=q + 2, scale=d ** -0.5).double()\n"
+        "        torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol * (1 + inputs[2].abs().max().item()))\n"
+        "print(ops.cpu_kernel_isa(), ops.attention_kernel_isa())\n"
     )
     seen = {}
-    for isa in ("avx2", "generic"):
+    for isa in ("avx512bf16", "avx512", "avx2", "generic"):
         env = {**os.environ, "KVPRESS_CRITICAL_CPU_ISA": isa}
         run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-2000:]
-        seen[isa] = run.stdout.strip().splitlines()[-1]
-    assert seen["generic"] == "generic"
-    assert seen["avx2"] in ("avx2", "generic")  # generic on CPUs without AVX2 + FMA
-    assert ops.cpu_kernel_isa() in ("avx512", "avx2", "generic")
+        assert run.returncode == 0, (isa, run.stderr[-2000:])
+        seen[isa] = run.stdout.strip().splitlines()[-1].split()
+    assert seen["generic"] == ["generic", "generic"]
+    assert seen["avx2"][0] in ("avx2", "generic") and seen["avx2"][1] == seen["avx2"][0]  # generic without AVX2
+    assert seen["avx512"][0] in ("avx512", "avx2", "generic")
+    assert seen["avx512bf16"][0] in ("avx512+bf16", "avx512", "avx2", "generic")
+    assert ops.cpu_kernel_isa() == seen["avx512bf16"][0]  # the default: the best the CPU has
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -44,7 +44,13 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]
 LIB_NAME = "kvpress_critical_ops"
 CPU_SOURCES = ("projected_norm.cpp", "ragged_attention.cpp")
 CUDA_SOURCES = ("projected_norm_cuda.cpp", "projected_norm_kernel.cu")
-HEADERS = ("checks.h", "projected_norm_kernel.h", "cpu_tile_kernel.inc", "cpu_attention_kernel.inc")
+HEADERS = (
+    "checks.h",
+    "projected_norm_kernel.h",
+    "cpu_tile_kernel.inc",
+    "cpu_tile_bf16_kernel.inc",
+    "cpu_attention_kernel.inc",
+)
 SOURCES = CPU_SOURCES + CUDA_SOURCES + HEADERS
 BUILD_HINT = "run `kvpress-critical-build` to see the compiler's output"
 
