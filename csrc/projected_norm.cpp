@@ -7,13 +7,12 @@
 //     = head_projected_norm(values, o_proj_weight viewed as (H, D, d) without a copy, norm): CriticalKV's N_i.
 //
 // CPU implementation: a fused, register-blocked kernel (no BLAS call, so nothing nests inside the parallel loop).
-// Work items are (KV head, batch row, tile of 192-768 tokens), handed out dynamically to at::parallel_for
+// Work items are (KV head, batch row, tile of kTokenTile tokens), handed out dynamically to at::parallel_for
 // threads. An item transposes its value tile into an fp32 buffer Vt (d, tokens) that stays in L1/L2 cache, then for
 // each query head of the group and each tile of kFeatureTile output features computes
 //   P^T[n, j] = sum_k head_proj[h][n, k] * Vt[k, j]
 // in R x (C * VL) register blocks (R features x C vectors of VL tokens) and folds |P| (or P^2) straight from the
-// registers into per-token fp32 accumulators. P = V W_O never exists in memory, not even as a tile. Projection tiles
-// are packed into panels of R rows (contiguous, k-major), so a block's R broadcasts come from one cache line.
+// registers into per-token fp32 accumulators. P = V W_O never exists in memory, not even as a tile.
 // The micro-kernel is compiled for AVX-512, AVX2+FMA and the baseline ISA; the best one is picked at run time. With
 // bfloat16 values and weights on a CPU with AVX512-BF16, a kernel on vdpbf16ps (cpu_tile_bf16_kernel.inc) works on
 // bf16 pairs directly: two multiply-adds per fp32 lane and instruction, fp32 sums.
@@ -43,11 +42,10 @@
 namespace kvpress_critical {
 namespace {
 
-// Tokens per work item: the largest of kTokenTiles that still gives every thread several items (a tile's
-// projection panels are packed once per item, so long tiles amortise the packing). Every tile is a multiple of every
-// token block below (48 = 3 x 16, 24 = 3 x 8, 12 = 3 x 4). Output features per projection tile: at d = 128 the
-// transposed values (d x 768 fp32 = 384 KiB) and a tile of panels (512 x d = 256 KiB) stay in a 1 MiB L2 cache.
-constexpr int64_t kTokenTiles[] = {768, 384, 192};
+// Tokens per work item (a multiple of every token block below: 48 = 3 x 16, 24 = 3 x 8, 12 = 3 x 4) and output
+// features per projection tile: Vt (d x 192 fp32 = 96 KiB at d = 128) and a projection tile (512 x d = 256 KiB)
+// stay in a 1 MiB L2 cache.
+constexpr int64_t kTokenTile = 192;
 constexpr int64_t kFeatureTile = 512;
 constexpr int64_t kTokenPad = 48;  // Vt rows are padded (with zeros) to a multiple of the widest token block
 
@@ -58,7 +56,8 @@ struct TileArgs {
   const float* vt;  // (d, ldv) transposed value tile, zero-padded to `cols` tokens
   int64_t ldv;
   int64_t cols;  // tokens to process, a multiple of C * VL
-  const float* w;  // (rows / R, d, R) panels of R projection rows, k-major inside a panel; rows a multiple of R
+  const float* w;  // (rows, d) projection rows with row stride ldw; rows a multiple of R (zero-padded)
+  int64_t ldw;
   int64_t rows;
   int64_t d;
   bool l1;  // accumulate |P| (L1) or P^2 (L2)
@@ -69,7 +68,8 @@ struct TileBf16Args {
   const uint32_t* vt;  // (d2, ldv) pairs of bf16 values (v[2k, j], v[2k + 1, j]), zero-padded to `cols` tokens
   int64_t ldv;
   int64_t cols;
-  const uint32_t* w;  // (rows / R, d2, R) panels of pairs (w[n, 2k], w[n, 2k + 1]); rows a multiple of R
+  const uint32_t* w;  // (rows, ldw) pairs of bf16 weights (w[n, 2k], w[n, 2k + 1]); rows a multiple of R
+  int64_t ldw;
   int64_t rows;
   int64_t d2;  // ceil(head_dim / 2)
   bool l1;
@@ -152,20 +152,12 @@ void transpose_values(const scalar_t* src, int64_t s_t, int64_t s_d, int64_t t, 
   }
 }
 
-// Panels of the projection rows, the layout the micro-kernels read: dst[((n / R) * d + k) * R + n % R] = proj[n, k]
-// for n < rows, 0 for rows <= n < rows_pad (a multiple of R). At step k a register block broadcasts its R weights
-// from one contiguous run, and a tile lies in one contiguous buffer (rows of an o_proj weight are H * d apart: a
-// power-of-two stride that would map a tile onto a few cache sets).   src: (rows, d) with strides (s_n, s_d).
+// dst[n * d + k] = proj[n, k] for n < rows, 0 for rows <= n < rows_pad.   src: (rows, d) with strides (s_n, s_d).
 template <typename scalar_t>
-void pack_panels(const scalar_t* src, int64_t s_n, int64_t s_d, int64_t rows, int64_t rows_pad, int64_t d, int64_t R,
-                 float* dst) {
-  for (int64_t n = 0; n < rows_pad; ++n) {
-    float* panel = dst + (n / R) * d * R + n % R;
-    if (n < rows)
-      for (int64_t k = 0; k < d; ++k) panel[k * R] = static_cast<float>(src[n * s_n + k * s_d]);
-    else
-      for (int64_t k = 0; k < d; ++k) panel[k * R] = 0.0f;
-  }
+void copy_rows(const scalar_t* src, int64_t s_n, int64_t s_d, int64_t rows, int64_t rows_pad, int64_t d, float* dst) {
+  for (int64_t n = 0; n < rows; ++n)
+    for (int64_t k = 0; k < d; ++k) dst[n * d + k] = static_cast<float>(src[n * s_n + k * s_d]);
+  std::fill(dst + rows * d, dst + rows_pad * d, 0.0f);
 }
 
 inline uint32_t bf16_bits(const c10::BFloat16* p) { return p->x; }
@@ -185,17 +177,16 @@ void pack_value_pairs(const c10::BFloat16* src, int64_t s_t, int64_t s_d, int64_
   }
 }
 
-// Panels of pairs for the bf16 kernel: dst[((n / R) * d2 + k) * R + n % R] = (proj[n, 2k], proj[n, 2k + 1]).
-void pack_pair_panels(const c10::BFloat16* src, int64_t s_n, int64_t s_d, int64_t rows, int64_t rows_pad, int64_t d,
-                      int64_t R, uint32_t* dst) {
+// dst[n * d2 + k] = (proj[n, 2k], proj[n, 2k + 1]) for n < rows, 0 for rows <= n < rows_pad.
+void pack_row_pairs(const c10::BFloat16* src, int64_t s_n, int64_t s_d, int64_t rows, int64_t rows_pad, int64_t d,
+                    uint32_t* dst) {
   const int64_t d2 = (d + 1) / 2;
-  for (int64_t n = 0; n < rows_pad; ++n) {
-    uint32_t* panel = dst + (n / R) * d2 * R + n % R;
+  for (int64_t n = 0; n < rows; ++n)
     for (int64_t k = 0; k < d2; ++k) {
       const c10::BFloat16* e = src + n * s_n + 2 * k * s_d;
-      panel[k * R] = n >= rows ? 0u : bf16_bits(e) | (2 * k + 1 == d ? 0u : bf16_bits(e + s_d) << 16);
+      dst[n * d2 + k] = bf16_bits(e) | (2 * k + 1 == d ? 0u : bf16_bits(e + s_d) << 16);
     }
-  }
+  std::fill(dst + rows * d2, dst + rows_pad * d2, 0u);
 }
 
 template <typename scalar_t>
@@ -217,15 +208,15 @@ void head_projected_norm_cpu_impl(const at::Tensor& values, const at::Tensor& he
                     head_proj.scalar_type() == at::kBFloat16;
   const int64_t block_rows = bf16 ? isa.bf16_rows : isa.rows;
   const int64_t d2 = (d + 1) / 2;
-  const int64_t threads = at::get_num_threads();
-  int64_t token_tile = kTokenTiles[0];
-  for (const int64_t candidate : kTokenTiles) {
-    token_tile = candidate;
-    if (kv_heads * batch * ((tokens + candidate - 1) / candidate) >= 4 * threads) break;
-  }
-  const int64_t token_tiles = (tokens + token_tile - 1) / token_tile;
+  const int64_t token_tiles = (tokens + kTokenTile - 1) / kTokenTile;
   const int64_t num_items = kv_heads * batch * token_tiles;
-  // every projection tile is packed into panels of block_rows rows (pack_panels), converted to fp32 on the way
+  // fp32 projections with unit stride along head_dim are read in place (any row stride: the o_proj weight as
+  // stored), bf16 ones as pairs when both halves of a pair are adjacent and 4-byte aligned; others, and a last tile
+  // whose rows are not a multiple of the register block, go through a per-thread buffer
+  const bool proj_direct = head_proj.scalar_type() == at::kFloat && head_proj.stride(2) == 1;
+  const bool pairs_direct = bf16 && head_proj.stride(2) == 1 && d % 2 == 0 && head_proj.stride(0) % 2 == 0 &&
+                            head_proj.stride(1) % 2 == 0 &&
+                            reinterpret_cast<uintptr_t>(head_proj.const_data_ptr()) % 4 == 0;
   const int64_t feature_tile = std::min(kFeatureTile, (features + block_rows - 1) / block_rows * block_rows);
   float* out_data = out.mutable_data_ptr<float>();
   const int64_t so_b = out.stride(0), so_h = out.stride(1), so_t = out.stride(2);
@@ -236,11 +227,11 @@ void head_projected_norm_cpu_impl(const at::Tensor& values, const at::Tensor& he
   // Items are ordered KV head first (consecutive items reuse the same projection rows) and handed out through an
   // atomic counter rather than in static chunks, so a thread delayed by another process does not hold the others.
   std::atomic<int64_t> next_item{0};
-  const int64_t workers = std::min<int64_t>(threads, num_items);
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     // Per-thread scratch, allocated through torch's CPU allocator (so memory profilers see it):
-    //   vt (d, ldv) transposed value tile | wbuf (feature_tile, d) projection panels | 2 x (ldv,) accumulators
-    const int64_t ldv = token_tile;  // multiple of kTokenPad
+    //   vt (d, ldv) transposed value tile | wbuf (feature_tile, d) converted projection rows | 2 x (ldv,) accumulators
+    const int64_t ldv = kTokenTile;  // multiple of kTokenPad
     at::Tensor scratch = at::empty({d * ldv + feature_tile * d + 2 * ldv}, values.options().dtype(at::kFloat));
     float* const vt = scratch.mutable_data_ptr<float>();
     float* const wbuf = vt + d * ldv;
@@ -250,8 +241,8 @@ void head_projected_norm_cpu_impl(const at::Tensor& values, const at::Tensor& he
     for (int64_t item = next_item.fetch_add(1); item < num_items; item = next_item.fetch_add(1)) {
       const int64_t kv = item / (batch * token_tiles);
       const int64_t b = (item / token_tiles) % batch;
-      const int64_t t0 = (item % token_tiles) * token_tile;
-      const int64_t t = std::min(token_tile, tokens - t0);
+      const int64_t t0 = (item % token_tiles) * kTokenTile;
+      const int64_t t = std::min(kTokenTile, tokens - t0);
       const int64_t cols = (t + kTokenPad - 1) / kTokenPad * kTokenPad;
 
       if (bf16) {  // vt holds the (d2, ldv) pairs (as many 4-byte words as the fp32 tile has floats, at most)
@@ -271,19 +262,33 @@ void head_projected_norm_cpu_impl(const at::Tensor& values, const at::Tensor& he
         for (int64_t n0 = 0; n0 < features; n0 += feature_tile) {
           const int64_t rows = std::min(feature_tile, features - n0);
           const int64_t rows_pad = (rows + block_rows - 1) / block_rows * block_rows;
-          if (bf16) {  // wbuf holds the tile's panels of pairs (fewer 4-byte words than the fp32 panels' floats)
-            pack_pair_panels(typed_ptr<c10::BFloat16>(head_proj) + h * sp_h + n0 * sp_n, sp_n, sp_d, rows, rows_pad,
-                             d, block_rows, reinterpret_cast<uint32_t*>(wbuf));
-            isa.bf16(TileBf16Args{reinterpret_cast<const uint32_t*>(vt), ldv, cols,
-                                  reinterpret_cast<const uint32_t*>(wbuf), rows_pad, d2, norm == Norm::L1, acc});
+          if (bf16) {  // wbuf holds row pairs (fewer 4-byte words than the fp32 rows' floats)
+            const c10::BFloat16* proj = typed_ptr<c10::BFloat16>(head_proj) + h * sp_h + n0 * sp_n;
+            TileBf16Args args{reinterpret_cast<const uint32_t*>(vt), ldv, cols, nullptr, d2, rows_pad, d2,
+                              norm == Norm::L1, acc};
+            if (pairs_direct && rows == rows_pad) {
+              args.w = reinterpret_cast<const uint32_t*>(proj);
+              args.ldw = sp_n / 2;
+            } else {
+              pack_row_pairs(proj, sp_n, sp_d, rows, rows_pad, d, reinterpret_cast<uint32_t*>(wbuf));
+              args.w = reinterpret_cast<const uint32_t*>(wbuf);
+            }
+            isa.bf16(args);
             continue;
           }
-          AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_proj.scalar_type(), "head_projected_norm_cpu",
-                                          [&] {
-                                            pack_panels(typed_ptr<scalar_t>(head_proj) + h * sp_h + n0 * sp_n, sp_n,
-                                                        sp_d, rows, rows_pad, d, block_rows, wbuf);
-                                          });
-          isa.fn(TileArgs{vt, ldv, cols, wbuf, rows_pad, d, norm == Norm::L1, acc});
+          TileArgs args{vt, ldv, cols, nullptr, d, rows_pad, d, norm == Norm::L1, acc};
+          if (proj_direct && rows == rows_pad) {
+            args.w = typed_ptr<float>(head_proj) + h * sp_h + n0 * sp_n;
+            args.ldw = sp_n;
+          } else {
+            AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_proj.scalar_type(), "head_projected_norm_cpu",
+                                            [&] {
+                                              copy_rows(typed_ptr<scalar_t>(head_proj) + h * sp_h + n0 * sp_n, sp_n,
+                                                        sp_d, rows, rows_pad, d, wbuf);
+                                            });
+            args.w = wbuf;
+          }
+          isa.fn(args);
         }
         if (norm == Norm::L2)
           for (int64_t j = 0; j < t; ++j) group_acc[j] += std::sqrt(head_acc[j]);
