@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     PeakResident,
     fmt,
+    kv_bytes,
     markdown_table,
     model_stem,
     parse_arguments,
@@ -45,7 +46,6 @@ from common import (  # noqa: E402
 
 import kvpress_critical.presses.compact_cache_press as compact_module  # noqa: E402
 from kvpress_critical import CompactCachePress, CriticalAdaKVPress, CriticalKVPress  # noqa: E402
-from kvpress_critical.cache import CompactLayer  # noqa: E402
 
 logger = logging.getLogger("bench_compact_cache")
 
@@ -101,16 +101,6 @@ def context_ids(tokenizer, n_tokens: int, vocab: int, device) -> torch.Tensor:
         text += " " + " ".join(prose_passage(rng, 200))
         ids = tokenizer(text, add_special_tokens=False).input_ids
     return torch.tensor([ids[:n_tokens]], device=device)
-
-
-def kv_bytes(cache) -> int:
-    total = 0
-    for layer in cache.layers:
-        if isinstance(layer, CompactLayer):
-            total += layer.nbytes(reserved=True)
-        else:
-            total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-    return total
 
 
 @torch.no_grad()

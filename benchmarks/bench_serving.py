@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     _proc_status,
     fmt,
+    kv_bytes,
     markdown_table,
     output_stem,
     parse_arguments,
@@ -86,28 +87,6 @@ def left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 
 
 # ----------------------------------------------------------------------------------------------------- measurements
-def tensor_bytes(t) -> int:
-    """Bytes of a tensor, a quanto quantized tensor included (the sum of its inner tensors)."""
-    if t is None:
-        return 0
-    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
-        names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, name)) for name in names)
-    return t.numel() * t.element_size()
-
-
-def kv_bytes(cache) -> int:
-    """Bytes the cache's layers hold (a compact layer's reserved tail capacity counted)."""
-    total = 0
-    for layer in cache.layers:
-        if isinstance(layer, CompactLayer):
-            total += layer.nbytes(reserved=True)
-        else:
-            for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
-                total += tensor_bytes(getattr(layer, name, None))
-    return total
-
-
 def entries_per_head(cache) -> float:
     """Mean entries per (row, KV head) over the layers."""
     counts = []

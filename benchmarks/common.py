@@ -239,6 +239,30 @@ class single_thread:
         torch.set_num_threads(self.threads)
 
 
+def tensor_bytes(t) -> int:
+    """Bytes of a tensor, a quanto quantized tensor included (the sum of its inner tensors)."""
+    if t is None:
+        return 0
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
+def kv_bytes(cache) -> int:
+    """Bytes the cache's layers hold (a compact layer's reserved tail capacity counted)."""
+    from kvpress_critical.cache import CompactLayer
+
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, CompactLayer):
+            total += layer.nbytes(reserved=True)
+        else:
+            for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+                total += tensor_bytes(getattr(layer, name, None))
+    return total
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
