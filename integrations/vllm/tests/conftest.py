@@ -1,0 +1,111 @@
+"""Shared fixtures of the vLLM plugin's tests: the embedded SmolLM2 as vLLM loads it, engines, prompts.
+
+Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that tests can read the scheduler's block
+pool and the worker's state directly; the server and async-scheduling tests start their own processes.
+"""
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[3]
+BLOCK_SIZE = 32
+POOL_BYTES = 256 * 2**20  # about 5.8K tokens of SmolLM2 in float32
+
+
+def model_path() -> str:
+    """The embedded SmolLM2 folder vLLM loads (``kvpress_critical.default_model.vllm_model_path``, made by `make`)."""
+    path = os.environ.get("KVPRESS_CRITICAL_VLLM_MODEL") or str(
+        Path.home() / ".cache" / "kvpress_critical" / "SmolLM2-135M-Instruct-vllm"
+    )
+    if not (Path(path) / "config.json").is_file():
+        pytest.fail(
+            f"no SmolLM2 folder for vLLM at {path}: run the tests with `make test-vllm`, which converts the embedded "
+            "model and sets KVPRESS_CRITICAL_VLLM_MODEL"
+        )
+    return path
+
+
+def engine_kwargs(**overrides) -> dict:
+    """``LLM`` arguments of the tests: float32, eager, 32-token blocks, a fixed KV pool, no prefix caching."""
+    kwargs = dict(
+        model=model_path(),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=2048,
+        block_size=BLOCK_SIZE,
+        kv_cache_memory_bytes=POOL_BYTES,
+        enable_prefix_caching=False,
+        seed=0,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+# in-process engines share the process's distributed state, which shutting one down tears down for all: every engine
+# the tests make lives until the session ends
+_ENGINES: list = []
+
+
+def make_llm(plugin: dict | None = None, **overrides):
+    from vllm import LLM
+
+    kwargs = engine_kwargs(**overrides)
+    if plugin is not None:
+        kwargs["additional_config"] = {"kvpress_critical": plugin}
+    llm = LLM(**kwargs)
+    _ENGINES.append(llm)
+    return llm
+
+
+def scheduler_of(llm):
+    """The engine core's scheduler of an in-process engine."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def internal_id(selections: dict, request_id: str) -> str:
+    """vLLM's internal id of a request (``<request_id>-<suffix>``), as the worker and scheduler know it."""
+    matches = [key for key in selections if key.rpartition("-")[0] == request_id]
+    assert len(matches) == 1, (request_id, list(selections))
+    return matches[0]
+
+
+@pytest.fixture(scope="session")
+def prompt_ids():
+    """Token ids of an English text (the repository's licence), long enough for 2K-token prompts."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path())
+    return tokenizer((REPO / "LICENSE").read_text())["input_ids"]
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The session's compressing engine: CriticalKV(SnapKV) at ratio 0.5, selections recorded."""
+    return make_llm({"press": "critical_snapkv", "compression_ratio": 0.5, "record_selections": True})
+
+
+NEW_TOKENS = 32
+PRESSES = ("critical_snapkv", "snapkv", "critical_knorm", "knorm", "critical_streaming_llm", "streaming_llm")
+
+
+@pytest.fixture(scope="session")
+def batch(engine, prompt_ids):
+    """One batch of the session's engine: six prompts of different lengths, each with its own press (per request)."""
+    from vllm import SamplingParams
+
+    lengths = (300, 521, 777, 404, 650, 1100)
+    prompts = [prompt_ids[37 * i : 37 * i + length] for i, length in enumerate(lengths)]
+    params = [
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0, extra_args={"kvpress_critical": {"press": press}})
+        for press in PRESSES
+    ]
+    outputs = engine.generate([{"prompt_token_ids": p} for p in prompts], params)
+    selections = engine.collective_rpc("kvpress_critical_selections")[0]
+    return prompts, outputs, selections

@@ -1,0 +1,157 @@
+"""Every engine option the plugin cannot honour refuses when the engine's configuration is built, with the fix.
+
+Most run through ``EngineArgs(...).create_engine_config()``, as ``LLM(...)`` and ``vllm serve`` do (no model is
+loaded); GPU-only settings the CPU platform rewrites (CUDA graphs, the V2 runner, quantization) are set on a built
+configuration and checked with the same function.
+"""
+
+import json
+import shutil
+
+import pytest
+from conftest import engine_kwargs, model_path
+
+from kvpress_critical_vllm.engine_config import EngineConfigError, check_engine_config
+from kvpress_critical_vllm.options import OptionsError
+
+PLUGIN = {"kvpress_critical": {"press": "critical_snapkv", "compression_ratio": 0.5}}
+
+
+def build(plugin=PLUGIN, **overrides):
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs = engine_kwargs(**overrides)
+    return EngineArgs(**kwargs, additional_config=plugin).create_engine_config()
+
+
+def test_the_plugin_sets_its_scheduler_and_worker():
+    config = build()
+    assert config.parallel_config.worker_cls == "kvpress_critical_vllm.worker.CriticalKVCPUWorker"
+    assert config.scheduler_config.scheduler_cls == "kvpress_critical_vllm.scheduler.CriticalKVScheduler"
+
+
+def test_an_engine_without_the_plugin_is_untouched():
+    config = build(plugin={})
+    assert config.parallel_config.worker_cls == "vllm.v1.worker.cpu_worker.CPUWorker"
+    assert config.scheduler_config.scheduler_cls is None
+
+
+@pytest.mark.parametrize(
+    "overrides,fix",
+    [
+        ({"enable_prefix_caching": True}, "--no-enable-prefix-caching"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='auto'"),
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
+         "Drop speculative_config"),
+        ({"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}}, "Drop kv_transfer_config"),
+        ({"enable_lora": True}, "enable_lora"),
+        ({"scheduler_cls": "vllm.v1.core.sched.scheduler.Scheduler"}, "Drop scheduler_cls"),
+        ({"worker_cls": "my_package.MyWorker"}, "Leave worker_cls unset"),
+    ],
+    ids=["prefix-caching", "fp8-cache", "speculative", "kv-connector", "lora", "scheduler-cls", "worker-cls"],
+)
+def test_unsupported_engine_options_refuse(overrides, fix):
+    with pytest.raises(EngineConfigError, match="kvpress_critical cannot compress") as error:
+        build(**overrides)
+    assert fix in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "change,fix",
+    [
+        (lambda c: setattr(c.parallel_config, "pipeline_parallel_size", 2), "pipeline_parallel_size=1"),
+        (lambda c: setattr(c.parallel_config, "decode_context_parallel_size", 2), "decode_context_parallel_size=1"),
+        (lambda c: setattr(c.parallel_config, "data_parallel_size", 2), "data_parallel_size=1"),
+        (lambda c: setattr(c.model_config, "quantization", "fp8"), "unquantized model"),
+        (lambda c: setattr(c.cache_config, "kv_sharing_fast_prefill", True), "kv_sharing_fast_prefill"),
+    ],
+    ids=["pipeline-parallel", "context-parallel", "data-parallel", "quantized", "fast-prefill"],
+)
+def test_settings_the_cpu_platform_rewrites_refuse(change, fix):
+    config = build(plugin={})
+    config.additional_config = dict(PLUGIN)
+    change(config)
+    with pytest.raises(EngineConfigError) as error:
+        check_engine_config(config)
+    assert fix in str(error.value)
+
+
+def test_full_cuda_graphs_refuse():
+    from vllm.config.compilation import CUDAGraphMode
+
+    config = build(plugin={})
+    config.additional_config = dict(PLUGIN)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    with pytest.raises(EngineConfigError, match="'cudagraph_mode': 'PIECEWISE'"):
+        check_engine_config(config)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    assert check_engine_config(config) is not None  # piecewise graphs keep attention out of the graph
+
+
+def test_the_v2_model_runner_refuses(monkeypatch):
+    from vllm.config import VllmConfig
+
+    config = build(plugin={})
+    config.additional_config = dict(PLUGIN)
+    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
+    with pytest.raises(EngineConfigError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        check_engine_config(config)
+
+
+def test_other_vllm_versions_refuse(monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(EngineConfigError, match=r"built against vLLM 0\.32\.x .* this is vLLM 0\.33\.0"):
+        build()
+
+
+def test_sliding_window_models_refuse(tmp_path):
+    """A Mistral-style config with a sliding window (hybrid KV-cache groups refuse the same way)."""
+    source = model_path()
+    folder = tmp_path / "sliding"
+    shutil.copytree(source, folder, symlinks=True)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").unlink()
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=256)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EngineConfigError, match="full attention"):
+        build(model=str(folder))
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"press": "critical_adakv", "compression_ratio": 0.5}, "one block table per request"),
+        ({"press": "headkv", "compression_ratio": 0.5}, "CompactCachePress"),
+        ({"press": "tova", "compression_ratio": 0.5}, "not a press of the plugin"),
+        ({"press": "snapkv"}, "needs compression_ratio"),
+        ({"compression_ratio": 1.0}, r"must be a number in \[0, 1\)"),
+        ({"compression_ratio": 0.5, "kernel_size": 4}, "must be odd"),
+        ({"compression_ratio": 0.5, "window": 64}, "unknown option"),
+        ({"compression_ratio": 0.5, "norm": "l3"}, "'l1' or 'l2'"),
+    ],
+)
+def test_bad_plugin_options_refuse(options, message):
+    with pytest.raises(OptionsError, match=message):
+        build(plugin={"kvpress_critical": options})
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"compression_ratio": 1.5}, r"\[0, 1\)"),
+        ({"press": "adakv"}, "one block table per request"),
+        ({"record_selections": True}, "unknown option"),
+        ("0.5", "must be a dict"),
+    ],
+)
+def test_bad_request_options_fail_in_the_caller(overrides, message):
+    import kvpress_critical_vllm.plugin as plugin
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    plugin.register()
+    with pytest.raises(VLLMValidationError, match=message):
+        SamplingParams(extra_args={"kvpress_critical": overrides})
+    SamplingParams(extra_args={"kvpress_critical": {"compression_ratio": 0.25, "press": "snapkv"}})
