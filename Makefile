@@ -123,7 +123,8 @@ test-vllm: vllm-venv install
 
 BENCH_VLLM_ARGS ?=
 bench-vllm: vllm-venv install
-	KVPRESS_CRITICAL_VLLM_MODEL="$$($(PY) -c 'from kvpress_critical.default_model import vllm_model_path as p; print(p())')" \
+	@# engines in one process: vLLM would otherwise leave one core to its loop (OMP_NUM_THREADS sets the threads)
+	OMP_NUM_THREADS="$${OMP_NUM_THREADS:-$$(nproc)}" KVPRESS_CRITICAL_VLLM_MODEL="$$($(PY) -c 'from kvpress_critical.default_model import vllm_model_path as p; print(p())')" \
 	$(VLLM_PY) benchmarks/bench_vllm.py $(BENCH_VLLM_ARGS)
 
 analysis: install

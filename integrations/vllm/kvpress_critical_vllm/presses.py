@@ -19,7 +19,6 @@ from kvpress_critical.selection import (
     streaming_llm_scores,
     top_budget_mask,
 )
-
 from kvpress_critical_vllm.options import CompressionOptions
 
 

@@ -35,10 +35,9 @@ def test_blocks_are_freed_as_computed(engine, prompt_ids):
 
 def test_a_pool_holds_more_requests_at_once():
     """96 blocks, 20 requests of 512 prompt tokens (16 blocks) and 32 new ones: peak concurrency per ratio."""
+    from conftest import REPO, model_path
     from transformers import AutoTokenizer
     from vllm import SamplingParams
-
-    from conftest import REPO, model_path
 
     token_bytes = 30 * 2 * 3 * 64 * 4  # SmolLM2's K and V per token in float32
     llm = make_llm(

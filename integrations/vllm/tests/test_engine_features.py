@@ -86,10 +86,14 @@ def test_preempted_request_is_compressed_again_and_gives_the_same_tokens(engine,
 
     prompts = [prompt_ids[100 * i : 100 * i + 320] for i in range(3)]
     params = SamplingParams(max_tokens=320, temperature=0, ignore_eos=True)
-    expected = [list(o.outputs[0].token_ids) for o in engine.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    expected = [
+        list(o.outputs[0].token_ids) for o in engine.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ]
 
     pool = 37 * 32 * 46080  # 36 blocks and the null block
-    llm = make_llm({"press": "critical_snapkv", "compression_ratio": 0.5}, kv_cache_memory_bytes=pool, max_model_len=1024)
+    llm = make_llm(
+        {"press": "critical_snapkv", "compression_ratio": 0.5}, kv_cache_memory_bytes=pool, max_model_len=1024
+    )
     scheduler = scheduler_of(llm)
     for i, prompt in enumerate(prompts):
         llm.llm_engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params)

@@ -10,7 +10,6 @@ import shutil
 
 import pytest
 from conftest import engine_kwargs, model_path
-
 from kvpress_critical_vllm.engine_config import EngineConfigError, check_engine_config
 from kvpress_critical_vllm.options import OptionsError
 
@@ -41,8 +40,10 @@ def test_an_engine_without_the_plugin_is_untouched():
     [
         ({"enable_prefix_caching": True}, "--no-enable-prefix-caching"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='auto'"),
-        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
-         "Drop speculative_config"),
+        (
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
+            "Drop speculative_config",
+        ),
         ({"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}}, "Drop kv_transfer_config"),
         ({"enable_lora": True}, "enable_lora"),
         ({"scheduler_cls": "vllm.v1.core.sched.scheduler.Scheduler"}, "Drop scheduler_cls"),

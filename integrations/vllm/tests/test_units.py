@@ -4,7 +4,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from kvpress_critical_vllm.attention import LearnedBlockLayout, check_round_trip, shifted_view
 from kvpress_critical_vllm.budget import eviction
 from kvpress_critical_vllm.options import CompressionOptions, OptionsError, engine_options, resolve_options
@@ -74,7 +73,9 @@ def test_shifted_view_starts_each_row_after_its_evicted_blocks():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("isa", ["vec", "vec16"])
 @pytest.mark.parametrize("block_size,head_size,num_kv_heads", [(32, 64, 3), (64, 128, 2), (32, 32, 1)])
-def test_the_learned_layout_reads_what_cpu_attention_writes(monkeypatch, dtype, isa, block_size, head_size, num_kv_heads):
+def test_the_learned_layout_reads_what_cpu_attention_writes(
+    monkeypatch, dtype, isa, block_size, head_size, num_kv_heads
+):
     from vllm.v1.attention.backends import cpu_attn
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 

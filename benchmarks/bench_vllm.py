@@ -1,0 +1,199 @@
+"""vLLM with kvpress-critical's plugin: how many requests one KV pool holds at once, and the throughput that follows.
+
+Two engines in one process, with the same fixed KV pool (``--pool-tokens``): stock vLLM, and vLLM with the plugin
+(``additional_config={"kvpress_critical": ...}``), whose requests ask for each ``--ratios`` value through
+``SamplingParams.extra_args``. Every run submits the same ``--requests`` requests at once (prompts of
+``--min-prompt``..``--max-prompt`` tokens, ``--min-new``..``--max-new`` new tokens, end of sequence ignored, greedy)
+and steps the engine until all are done; runs are interleaved (stock, then each ratio, ``--repeats`` times) and the
+table reports the median over repeats and the ratios to stock vLLM measured in the same repeat. Reported: peak
+requests running at once, preemptions, requests/s, output tokens/s, mean and p90 time per output token (per request:
+from its first to its last token) and mean time to first token.
+
+Run it in the plugin's environment (``make bench-vllm BENCH_VLLM_ARGS="..."``):
+
+    python benchmarks/bench_vllm.py                                # SmolLM2, CPU, float32, 24 requests
+    python benchmarks/bench_vllm.py --quick                        # tiny sizes: the logic, not numbers
+"""
+
+import argparse
+import logging
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process: the scheduler is read directly
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import fmt, markdown_table, output_stem, parse_arguments, result_header, write_results  # noqa: E402
+
+logger = logging.getLogger("bench_vllm")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def text_ids(tokenizer) -> list[int]:
+    """Token ids of the repository's documentation and licence: English prose for prompts."""
+    text = "\n\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")) + [REPO / "LICENSE"])
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def workload(ids: list[int], args, seed: int = 0) -> list[tuple[list[int], int]]:
+    """``(prompt ids, new tokens)`` per request, deterministic in ``seed``."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(args.requests):
+        length = rng.randint(args.min_prompt, args.max_prompt)
+        start = rng.randrange(0, len(ids) - length)
+        requests.append((ids[start : start + length], rng.randint(args.min_new, args.max_new)))
+    return requests
+
+
+def run(llm, requests, ratio: float | None, tag: str) -> dict:
+    """Submit every request at once, step until all are done; what the scheduler and the clock saw."""
+    from vllm import SamplingParams
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    extra = None if ratio is None else {"kvpress_critical": {"compression_ratio": ratio}}
+    for i, (prompt, new_tokens) in enumerate(requests):
+        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, extra_args=extra)
+        llm.llm_engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
+    start = time.perf_counter()
+    first, last, produced, peak, preempted = {}, {}, {}, 0, set()
+    while llm.llm_engine.has_unfinished_requests():
+        outputs = llm.llm_engine.step()
+        now = time.perf_counter()
+        peak = max(peak, len(scheduler.running))
+        preempted.update(r.request_id for r in scheduler.waiting if r.num_preemptions)
+        for output in outputs:
+            n = len(output.outputs[0].token_ids)
+            if n and output.request_id not in first:
+                first[output.request_id] = now
+            if n:
+                last[output.request_id], produced[output.request_id] = now, n
+    elapsed = time.perf_counter() - start
+    tpot = [(last[r] - first[r]) / (produced[r] - 1) for r in produced if produced[r] > 1]
+    tpot.sort()
+    return {
+        "peak_running": peak,
+        "preempted": len(preempted),
+        "seconds": elapsed,
+        "requests_per_s": len(requests) / elapsed,
+        "output_tokens_per_s": sum(produced.values()) / elapsed,
+        "tpot_ms_mean": 1000 * statistics.fmean(tpot),
+        "tpot_ms_p90": 1000 * tpot[min(len(tpot) - 1, int(0.9 * len(tpot)))],
+        "ttft_s_mean": statistics.fmean(first[r] - start for r in first),
+    }
+
+
+HEADER = ["engine / press ratio", "peak running", "vs vLLM", "preempted", "requests/s", "output tok/s", "vs vLLM",
+          "TPOT mean ms", "TPOT p90 ms", "TTFT mean s"]  # fmt: skip
+METRICS = ("peak_running", "preempted", "requests_per_s", "output_tokens_per_s", "tpot_ms_mean", "tpot_ms_p90",
+           "ttft_s_mean")  # fmt: skip
+
+
+def summarise(measured: dict, configs: list) -> tuple[list[dict], list[list]]:
+    """Per configuration: the median of each metric over the repeats so far, and its ratios to stock vLLM."""
+    rows, table = [], []
+    for name, _, ratio in configs:
+        median = {m: statistics.median(r[m] for r in measured[name]) for m in METRICS}
+        pairs = list(zip(measured[name], measured["vLLM"]))
+        row = {
+            "config": name,
+            "ratio": ratio or 0.0,
+            **median,
+            "repeats": len(measured[name]),
+            "output_throughput_vs_vllm": statistics.median(
+                ours["output_tokens_per_s"] / base["output_tokens_per_s"] for ours, base in pairs
+            ),
+            "peak_running_vs_vllm": statistics.median(
+                ours["peak_running"] / base["peak_running"] for ours, base in pairs
+            ),
+        }
+        rows.append(row)
+        goal = "" if not ratio else f" (goal {0.9 / (1 - ratio):.2f})"
+        table.append(
+            [
+                name,
+                fmt(row["peak_running"], 0),
+                f"{fmt(row['peak_running_vs_vllm'])}x{goal}",
+                fmt(row["preempted"], 0),
+                fmt(row["requests_per_s"], 3),
+                fmt(row["output_tokens_per_s"], 1),
+                f"{fmt(row['output_throughput_vs_vllm'])}x",
+                fmt(row["tpot_ms_mean"], 1),
+                fmt(row["tpot_ms_p90"], 1),
+                fmt(row["ttft_s_mean"], 1),
+            ]
+        )
+    return rows, table
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=os.environ.get("KVPRESS_CRITICAL_VLLM_MODEL"), help="a folder vLLM loads")
+    parser.add_argument("--press", default="critical_snapkv")
+    parser.add_argument("--ratios", default="0.5,0.75")
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--min-prompt", type=int, default=1024)
+    parser.add_argument("--max-prompt", type=int, default=2048)
+    parser.add_argument("--min-new", type=int, default=128)
+    parser.add_argument("--max-new", type=int, default=256)
+    parser.add_argument("--pool-tokens", type=int, default=8192, help="the KV pool of both engines, in tokens")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (the logic, not the numbers)")
+    args = parse_arguments(parser, argv)
+    if args.quick:
+        args.requests, args.min_prompt, args.max_prompt, args.min_new, args.max_new = 4, 200, 300, 8, 16
+        args.pool_tokens, args.repeats = 1024, 1
+    if not args.model:
+        parser.error("--model (or KVPRESS_CRITICAL_VLLM_MODEL): a model folder vLLM loads (make bench-vllm sets it)")
+    from transformers import AutoConfig, AutoTokenizer
+    from vllm import LLM
+
+    config = AutoConfig.from_pretrained(args.model)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    token_bytes = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element
+    blocks = args.pool_tokens // args.block_size
+    pool_bytes = (blocks + 1) * args.block_size * token_bytes  # and vLLM's null block
+    common = dict(
+        model=args.model, dtype=args.dtype, enforce_eager=True, block_size=args.block_size, seed=0,
+        max_model_len=args.max_prompt + args.max_new, kv_cache_memory_bytes=pool_bytes, enable_prefix_caching=False,
+    )  # fmt: skip
+    stock = LLM(**common)  # first: its layers take vLLM's own attention backend
+    plugin = LLM(**common, additional_config={"kvpress_critical": {"press": args.press, "compression_ratio": 0.0}})
+    requests = workload(text_ids(AutoTokenizer.from_pretrained(args.model)), args)
+    ratios = [float(r) for r in args.ratios.split(",")]
+    configs = [("vLLM", stock, None)] + [(f"{args.press} {r}", plugin, r) for r in ratios]
+    measured = {name: [] for name, _, _ in configs}
+    stem = output_stem(args, "vllm")
+    with tqdm(total=args.repeats * len(configs), desc="runs") as progress:
+        for repeat in range(args.repeats):
+            for name, llm, ratio in configs:
+                measured[name].append(run(llm, requests, ratio, f"{repeat}-{name}"))
+                progress.update()
+            rows, table = summarise(measured, configs)
+            details = (
+                f"{args.requests} requests submitted at once, prompts of {args.min_prompt}-{args.max_prompt} tokens, "
+                f"{args.min_new}-{args.max_new} new tokens (end of sequence ignored, greedy); one KV pool of "
+                f"{blocks} blocks of {args.block_size} tokens ({args.pool_tokens} tokens, {args.dtype}) for both "
+                f"engines; engines in one process, enforce_eager, no prefix caching; medians of {repeat + 1} "
+                "interleaved repeats, ratios to stock vLLM measured in the same repeat"
+            )
+            title = "kvpress-critical's vLLM plugin: requests at once and throughput in a fixed KV pool"
+            markdown = result_header(title, args.device, details, model=Path(args.model).name)
+            write_results(stem, rows, markdown + markdown_table(HEADER, table) + "\n")
+    logger.info("wrote %s.md", stem)
+    print(markdown_table(HEADER, table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

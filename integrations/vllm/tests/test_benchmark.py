@@ -1,0 +1,20 @@
+"""The plugin's benchmark runs end to end (tiny sizes) and writes its table."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, model_path
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_vllm_quick_writes_its_table(tmp_path):
+    env = dict(os.environ, KVPRESS_CRITICAL_VLLM_MODEL=model_path())
+    command = [sys.executable, str(REPO / "benchmarks" / "bench_vllm.py"), "--quick", "--out-dir", str(tmp_path)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    table = (tmp_path / "vllm_cpu.md").read_text()
+    assert "| vLLM |" in table and "| critical_snapkv 0.75 |" in table
+    assert (tmp_path / "vllm_cpu.csv").read_text().count("\n") == 4  # a header and three configurations
