@@ -15,6 +15,7 @@ from kvpress_critical.ops import available_backends, projected_value_norm
 _PRESSES = (
     "ChunkedPrefillPress",
     "CompactCachePress",
+    "CompactDecodingCachePress",
     "CriticalAdaKVPress",
     "CriticalHeadKVPress",
     "CriticalKVPress",

@@ -7,9 +7,14 @@ below, each returning ``None`` (it can) or the reason it cannot, which the wrapp
 
 - :func:`critical_inner_refusal`: can a critical press (``CriticalKVPress(press)``...) take ``press`` as its base;
 - :func:`chunked_prefill_refusal`: can ``ChunkedPrefillPress(press)`` compress ``press`` after every chunk;
-- :func:`compact_refusal`: can ``CompactCachePress(press)`` keep ``press``'s selection in the compact layout.
+- :func:`compact_refusal`: can ``CompactCachePress(press)`` keep ``press``'s selection in the compact layout;
+- :func:`conversation_refusal`: can a :class:`~kvpress_critical.Conversation` keep every turn over ``press``'s cache;
 
-The evaluation registry asks :func:`supports_compact` to know which presses have a compact variant.
+asked when the wrapper is built, and, for what depends on the model or the inputs, when the press is entered
+(:func:`chunked_prefill_model_refusal`, :func:`compact_model_refusal`) or when a batch comes
+(:func:`padded_batch_refusal`). The evaluation registry asks :func:`supports_compact` to know which presses have a
+compact variant; ``docs/presses.md``'s table of combinations is generated from these functions
+(:mod:`kvpress_critical.presses.combinations`).
 """
 
 from __future__ import annotations
@@ -22,10 +27,15 @@ __all__ = [
     "Capabilities",
     "KVPRESS_CAPABILITIES",
     "capabilities",
+    "chunked_prefill_model_refusal",
     "chunked_prefill_refusal",
+    "compact_model_refusal",
     "compact_refusal",
+    "conversation_refusal",
     "critical_inner_refusal",
+    "decoding_schedule_refusal",
     "nested_presses",
+    "padded_batch_refusal",
     "supports_compact",
 ]
 
@@ -235,6 +245,11 @@ def chunked_prefill_refusal(press) -> str | None:
     for inner in nested_presses(press):
         caps = capabilities(inner)
         name = type(inner).__name__
+        if caps.selects_after_last_layer:
+            return (
+                f"{name}: it selects every layer at once after the last one, so it cannot compress each layer after "
+                "each chunk; use DefensiveKVPress (per-layer budgets) with ChunkedPrefillPress"
+            )
         if caps.changes_layout:
             return (
                 f"{name}: put the compact layout outside: CompactCachePress(ChunkedPrefillPress(press, "
@@ -262,9 +277,47 @@ def chunked_prefill_refusal(press) -> str | None:
     return None
 
 
+def decoding_schedule_refusal(press) -> str | None:
+    """
+    Why the compact layout cannot compress while decoding on the schedule of ``press`` (a kvpress ``DecodingPress``)
+    (None: it can). It follows kvpress's ``DecodingPress`` contract: the schedule (``compression_interval``,
+    ``hidden_states_buffer_size``) and the target size (``_resolve_target_size``, which subclasses may derive from
+    what was seen, as ``CompressionRatioDecodingPress``); a subclass that changes how the cache is compressed (its
+    own ``compress`` or ``forward_hook``: ``CAMPress`` merges the evicted values into their neighbours) cannot be
+    followed by an explicit keep mask.
+    """
+    changed = [
+        name
+        for name in ("compress", "forward_hook")
+        if getattr(type(press), name) is not getattr(kvpress.DecodingPress, name)
+    ]
+    name = type(press).__name__
+    if changed:
+        return (
+            f"{name}: it changes how a DecodingPress compresses ({', '.join(changed)}), which the compact layout's "
+            "decoding compression (a keep mask on kvpress's schedule) cannot do; use it without CompactCachePress"
+        )
+    if not capabilities(press.base_press).budgeted:
+        return (
+            f"{name}({type(press.base_press).__name__}(...)): the compact layout compresses while decoding with "
+            "an explicit budget per head, which this base press cannot be given; use a kvpress ScorerPress, "
+            "AdaKVPress or a press of this package (CriticalKVPress, CriticalAdaKVPress)"
+        )
+    return None
+
+
 def compact_refusal(press) -> str | None:
     """Why ``CompactCachePress`` cannot keep ``press``'s selection in the compact layout (None: it can)."""
-    for inner in nested_presses(press):
+    nested = nested_presses(press)
+    chunked = next((p for p in nested if capabilities(p).chunked), None)
+    decoding = next((p for p in nested if isinstance(p, kvpress.DecodingPress)), None)
+    if chunked is not None and decoding is not None:
+        return (
+            f"{type(chunked).__name__} with {type(decoding).__name__} in one CompactCachePress: kvpress marks only "
+            "a chunked prefill's first chunk as a prefill, so the decoding schedule would count the other chunks "
+            "as decoding steps; compress a chunked prefill, or compress while decoding, not both"
+        )
+    for inner in nested:
         caps = capabilities(inner)
         name = type(inner).__name__
         if caps.changes_layout:
@@ -273,12 +326,8 @@ def compact_refusal(press) -> str | None:
             return (
                 f"{name}: its decoding compression needs the dense layout; use decoding=False or no CompactCachePress"
             )
-        if isinstance(inner, kvpress.DecodingPress) and not capabilities(inner.base_press).budgeted:
-            return (
-                f"{name}({type(inner.base_press).__name__}(...)): the compact layout compresses while decoding with "
-                "an explicit budget per head, which this base press cannot be given; use a kvpress ScorerPress, "
-                "AdaKVPress or a press of this package (CriticalKVPress, CriticalAdaKVPress)"
-            )
+        if isinstance(inner, kvpress.DecodingPress) and decoding_schedule_refusal(inner) is not None:
+            return decoding_schedule_refusal(inner)
         decoding_wrapper = isinstance(inner, (kvpress.DecodingPress, kvpress.PrefillDecodingPress))
         if caps.compresses_while_decoding and not decoding_wrapper:
             return (
@@ -313,3 +362,72 @@ def supports_compact(press) -> bool:
     return compact_refusal(press) is None and any(
         capabilities(p).selection == "head-wise" for p in nested_presses(press)
     )
+
+
+def chunked_prefill_model_refusal(press, model) -> str | None:
+    """Why ``ChunkedPrefillPress(press)`` cannot run on ``model`` (None: it can): asked when the press is entered."""
+    from kvpress_critical.cache.windows import is_sliding_layer
+    from kvpress_critical.modeling import attention_modules, hooked_attention_modules
+
+    hooked = hooked_attention_modules(model)
+    pruning = capabilities(press).selection == "pruning"
+    if pruning and len(hooked) != len(attention_modules(model)):
+        return (
+            f"{type(model).__name__}: kvpress compresses only some layers of this model, and a pruning press would "
+            "leave the layers with different lengths, which the chunks' causal masks cannot follow; use a head-wise "
+            "press (e.g. CriticalAdaKVPress) with ChunkedPrefillPress on it"
+        )
+    sliding = [m.layer_idx for m in hooked if is_sliding_layer(m)]
+    if sliding and not pruning:
+        return (
+            f"layers {sliding} attend through a sliding window, which the exact masked attention of the chunks does "
+            "not implement (kvpress's fake keys can leak); use a pruning press or a one-shot prefill"
+        )
+    return None
+
+
+def compact_model_refusal(model) -> str | None:
+    """Why the compact layout cannot serve ``model`` (None: it can): asked when ``CompactCachePress`` is entered."""
+    configs = [model.config, getattr(model.config, "text_config", None)]
+    if any(getattr(c, "_attn_implementation", None) == "eager" for c in configs if c is not None):
+        return (
+            "CompactCachePress needs a registered attention function (sdpa, flash_attention_2...): eager attention "
+            "calls the model's own function, which cannot read the compact layout. Load the model with "
+            "attn_implementation='sdpa'."
+        )
+    return None
+
+
+def padded_batch_refusal(press) -> str | None:
+    """
+    Why a left-padded batch cannot be compressed row by row with ``press``, the press that compresses the prefill
+    (None: it can, or there is none): asked when a padded batch comes.
+    """
+    if press is None:
+        return None
+    if any(capabilities(p).chunked for p in nested_presses(press)):
+        return "ChunkedPrefillPress does not support padded batches: prefill rows one by one"
+    caps = capabilities(press)
+    if caps.selects_after_last_layer:
+        return (
+            f"CompactCachePress compresses a padded batch row by row, with each row's own budget, but "
+            f"{type(press).__name__} selects every layer at once after the last one; run the rows one at a time"
+        )
+    if not caps.budgeted:
+        return (
+            f"CompactCachePress compresses a padded batch row by row, with each row's own budget, which "
+            f"{type(press).__name__} cannot be given (it selects with its own compress()); run the rows one at a "
+            "time, or use a press of this package, a kvpress ScorerPress or AdaKVPress"
+        )
+    return None
+
+
+def conversation_refusal(press) -> str | None:
+    """Why a :class:`~kvpress_critical.Conversation` cannot keep every turn over ``press``'s cache (None: it can)."""
+    if any(capabilities(p).compresses_while_decoding for p in nested_presses(press)):
+        return (
+            f"{type(press).__name__} compresses while decoding; a Conversation compresses the context once, before "
+            "the first question, and cannot keep every turn in the cache across such compressions: use a press that "
+            "compresses the prefill only"
+        )
+    return None

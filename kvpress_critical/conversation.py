@@ -26,8 +26,8 @@ that compresses while decoding (kvpress's ``DecodingPress``, ``PrefillDecodingPr
 cache is shorter than the tokens it has seen, and RoPE continues after them.
 
 In kvpress's masking layout (a head-wise press alone), the multi-token turns attend over the unmasked entries
-exactly (:func:`kvpress_critical.cache.attention.exact_masked_attention`), so answers do not depend on the layout: the
-masking and the compact layouts give the same answers (tested).
+exactly (:func:`kvpress_critical.cache.attention.attention_wrapping` with ``exact_masking``), so answers do not depend
+on the layout: the masking and the compact layouts give the same answers (tested).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from contextlib import ExitStack, nullcontext
 import torch
 from transformers import DynamicCache
 
-from kvpress_critical.cache.attention import exact_masked_attention
+from kvpress_critical.cache.attention import attention_wrapping
 from kvpress_critical.modeling import attention_modules
 
 __all__ = ["Conversation"]
@@ -63,14 +63,11 @@ class Conversation:
 
     def __init__(self, pipe, context: str, press=None, cache=None, max_context_length: int | None = None):
         if press is not None:
-            from kvpress_critical.capabilities import capabilities, nested_presses
+            from kvpress_critical.capabilities import conversation_refusal
 
-            if any(capabilities(p).compresses_while_decoding for p in nested_presses(press)):
-                raise ValueError(
-                    f"{type(press).__name__} compresses while decoding; a Conversation compresses the context once, "
-                    "before the first question, and cannot keep every turn in the cache across such compressions: "
-                    "use a press that compresses the prefill only"
-                )
+            refusal = conversation_refusal(press)
+            if refusal is not None:
+                raise ValueError(refusal)
         if isinstance(pipe, tuple):
             import kvpress  # noqa: F401  (registers the pipeline)
             from transformers import pipeline
@@ -146,7 +143,7 @@ class Conversation:
         generated: list[int] = []
         with ExitStack() as stack:
             if any(getattr(m, "masked_key_indices", None) is not None for m in attention_modules(self.model)):
-                stack.enter_context(exact_masked_attention())  # the masking layout, attended exactly
+                stack.enter_context(attention_wrapping(exact_masking=True))  # the masking layout, attended exactly
             last = question_logits = self._feed(ids)  # the question: logits of the answer's first token
             after_question = (self.position, [layer.get_seq_length() for layer in self.cache.layers])
             for step in range(max_new_tokens):

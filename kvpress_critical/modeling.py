@@ -10,7 +10,6 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 from transformers import Gemma3ForConditionalGeneration
 
-from kvpress_critical.norm_reuse import projected_norm_reusing
 from kvpress_critical.ops import projected_value_norm
 
 SUPPORTED_FAMILIES = "Llama, Mistral, Phi-3, Qwen2, Qwen3, Gemma3"
@@ -158,7 +157,4 @@ def module_projected_norm(module: nn.Module, values: torch.Tensor, norm: str, ba
     if weight.device != values.device:
         weight = weight.to(values.device)
     heads = weight.shape[1] // head_dim
-    # during a chunked prefill the norms of entries scored after an earlier chunk are reused (exact: per entry)
-    return projected_norm_reusing(
-        values, norm, lambda v: projected_value_norm(v, weight, heads, norm=norm, backend=backend)
-    )
+    return projected_value_norm(values, weight, heads, norm=norm, backend=backend)

@@ -126,6 +126,17 @@ def tiny_model(
     return model
 
 
+def head_scores(model, slope: float = 0.0) -> dict:
+    """HeadKV head scores (its ``{'layer-head': [score]}`` format) for ``model``: ``1 + slope * head`` in every layer
+    (``slope=0``: uniform scores, every head the same budget)."""
+    cfg = model.config
+    return {
+        f"{layer}-{h}": [1.0 + slope * h]
+        for layer in range(cfg.num_hidden_layers)
+        for h in range(cfg.num_attention_heads)
+    }
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -3,7 +3,7 @@ for the tokens seen after every chunk, at the entries' original positions, in ev
 
 import pytest
 import torch
-from helpers import FAMILIES, kept_masks, tiny_model
+from helpers import FAMILIES, head_scores, kept_masks, tiny_model
 from kvpress import AdaKVPress, DecodingPress, KnormPress, SnapKVPress
 from transformers import DynamicCache
 
@@ -18,20 +18,10 @@ from kvpress_critical import (
 )
 from kvpress_critical.cache import CompactLayer, keep_mask_from_indices
 from kvpress_critical.modeling import attention_modules
-from kvpress_critical.presses import chunked_prefill_press
 from kvpress_critical.presses.chunked_prefill_press import ChunkedPrefillPress
 from kvpress_critical.selection import compute_n_kept
 
 K_LEN, WINDOW = 100, 8
-
-
-def uniform_scores(model):
-    cfg = model.config
-    return {
-        f"{layer}-{h}": [1.0 + 0.1 * h]
-        for layer in range(cfg.num_hidden_layers)
-        for h in range(cfg.num_attention_heads)
-    }
 
 
 def make_presses(model, ratio):
@@ -42,10 +32,9 @@ def make_presses(model, ratio):
         "CriticalKV": CriticalKVPress(snap()),
         "AdaKV": AdaKVPress(snap()),
         "CriticalAdaKV": CriticalAdaKVPress(snap()),
-        "HeadKV": HeadKVPress(snap(), head_scores=uniform_scores(model)),
-        "CriticalHeadKV": CriticalHeadKVPress(snap(), head_scores=uniform_scores(model)),
+        "HeadKV": HeadKVPress(snap(), head_scores=head_scores(model, slope=0.1)),
+        "CriticalHeadKV": CriticalHeadKVPress(snap(), head_scores=head_scores(model, slope=0.1)),
         "DefensiveKV": DefensiveKVPress(ratio, window_size=WINDOW),
-        "LayerDefensiveKV": LayerDefensiveKVPress(ratio, window_size=WINDOW),
     }
 
 
@@ -166,10 +155,8 @@ def test_errors():
         ChunkedPrefillPress(CompactCachePress(CriticalAdaKVPress(SnapKVPress(0.5))), chunk_size=512)
     with pytest.raises(TypeError, match="decoding press"):
         ChunkedPrefillPress(DecodingPress(KnormPress()), chunk_size=512)
-    model = tiny_model("llama")
-    ids = torch.randint(0, 256, (1, K_LEN))
-    with pytest.raises(NotImplementedError, match="every layer at once"):
-        kept_masks(model, ids, ChunkedPrefillPress(LayerDefensiveKVPress(0.5, window_size=WINDOW), chunk_size=40))
+    with pytest.raises(TypeError, match="every layer at once"):  # refused when built, not when a long prefill comes
+        ChunkedPrefillPress(LayerDefensiveKVPress(0.5, window_size=WINDOW), chunk_size=40)
     with pytest.raises(TypeError, match="aligned dense layout"):
         CompactCachePress(ChunkedPrefillPress(DefensiveKVPress(0.5, window_size=WINDOW), chunk_size=40))
     with pytest.raises(ValueError, match="DefensiveKVPress's window"):
@@ -278,20 +265,15 @@ NORM_REUSE_CASES += [(n, True) for n in ("CriticalKV", "CriticalAdaKV", "Critica
 )
 def test_projected_norms_are_computed_once_per_entry(monkeypatch, name, compact):
     """Reusing the norms of entries scored after an earlier chunk selects exactly what recomputing them selects."""
-    from kvpress_critical import norm_reuse
-
     model = tiny_model("qwen2")
     ids = torch.randint(0, 256, (2, K_LEN), generator=torch.Generator().manual_seed(5))
 
     def run(reuse: bool):
-        press = ChunkedPrefillPress(make_presses(model, 0.6)[name], chunk_size=20)
-        if not reuse:
-            monkeypatch.setattr(chunked_prefill_press, "reusing_norms", lambda known: norm_reuse.reusing_norms({}))
+        press = ChunkedPrefillPress(make_presses(model, 0.6)[name], chunk_size=20, reuse_norms=reuse)
         outer = CompactCachePress(press) if compact else press
         cache = DynamicCache()
         with outer(model):
             model.model(input_ids=ids, past_key_values=cache)
-        monkeypatch.undo()
         held = []
         for layer, module in zip(cache.layers, attention_modules(model)):
             if isinstance(layer, CompactLayer):

@@ -137,11 +137,16 @@ def test_model_matrix(family, bsz, dtype):
         for layer_idx, ((keep, dense_keys), layer) in enumerate(zip(expected, cache.layers)):
             assert isinstance(layer, CompactLayer), layer_idx
             assert torch.equal(layer.segment_lengths(), keep.sum(-1)), f"layer {layer_idx}: other budgets"
+            # key norms tie (RoPE rotates: equal token ids, equal norms): kvpress's topk keeps any of the tied
+            # entries, the compact layout's selection the earliest; the kept norms are the same
+            norms = dense_keys.float().norm(dim=-1)
             for b in range(bsz):
                 for h in range(keep.shape[1]):
                     k, _, pos = layer.segments(b, h)
-                    assert torch.equal(pos.long(), keep[b, h].nonzero().squeeze(-1)), f"layer {layer_idx} ({b}, {h})"
-                    assert torch.equal(k, dense_keys[b, h][keep[b, h]])
+                    assert torch.equal(k, dense_keys[b, h][pos.long()])
+                    same = torch.equal(pos.long(), keep[b, h].nonzero().squeeze(-1))
+                    tied = torch.equal(norms[b, h][pos.long()].sort().values, norms[b, h][keep[b, h]].sort().values)
+                    assert same or (isinstance(make(), AdaKVPress) and tied), f"layer {layer_idx} ({b}, {h})"
             assert layer.packed_keys.dtype == dtype
             assert all(m.masked_key_indices is None for m in attention_modules(model))
         # decoding on the compact layout runs and stays finite
@@ -257,12 +262,8 @@ def test_every_registered_attention_function_reads_the_compact_layout():
     layer = CompactLayer.from_keep_mask(keys, values, keep)
     handle, _ = layer.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
     query = torch.randn(1, 4, 1, 16)
-    CompactCachePress(KnormPress(0.5))  # importing the press installs nothing by itself: the first use does
-    from kvpress_critical.cache import install_attention
-
-    install_attention()
     outputs = []
-    for name in ("sdpa", "flash_attention_2", "flex_attention"):
+    for name in ("sdpa", "flash_attention_2", "flex_attention"):  # wrapped while the compact layer exists
         if name in ALL_ATTENTION_FUNCTIONS:
             out, weights = ALL_ATTENTION_FUNCTIONS[name](torch.nn.Module(), query, handle, handle, None, scaling=0.25)
             assert weights is None and out.shape == (1, 1, 4, 16)

@@ -10,6 +10,7 @@ from kvpress_critical import CompactCachePress, DefensiveKVPress, LayerDefensive
 from kvpress_critical.cache import CompactLayer, keep_mask_from_indices
 from kvpress_critical.modeling import attention_modules, module_projected_norm
 from kvpress_critical.presses import defensivekv_press
+from kvpress_critical.presses.layer_input import LayerInput
 from kvpress_critical.presses.window_attention import window_attention
 from kvpress_critical.selection import compute_n_kept
 
@@ -63,9 +64,9 @@ def recorded_inputs(monkeypatch):
     records = {}
     real = defensivekv_press.window_attention
 
-    def spy(module, hidden_states, keys, window, position_embeddings, attentions=None):
-        attn = real(module, hidden_states, keys, window, position_embeddings, attentions)
-        records[module.layer_idx] = attn.clone()
+    def spy(layer, window):
+        attn = real(layer, window)
+        records[layer.module.layer_idx] = attn.clone()
         return attn
 
     monkeypatch.setattr(defensivekv_press, "window_attention", spy)
@@ -107,13 +108,15 @@ def test_window_attention_is_the_same_with_eager_weights():
     cache = DynamicCache()
     out = eager.model(input_ids=ids, past_key_values=cache, output_attentions=True)
     module = attention_modules(eager)[0]
-    from_weights = window_attention(module, None, cache.layers[0].keys, 8, None, out.attentions[0])
+    keys = cache.layers[0].keys
+    from_weights = window_attention(LayerInput(module, None, keys, keys, out.attentions[0]), 8)
     sdpa = tiny_model("llama")
     with torch.no_grad():
         hidden = sdpa.model.embed_tokens(ids)
         hidden_in = sdpa.model.layers[0].input_layernorm(hidden)
         position = sdpa.model.rotary_emb(hidden, torch.arange(70).unsqueeze(0))
-    recomputed = window_attention(attention_modules(sdpa)[0], hidden_in, cache.layers[0].keys, 8, position)
+    layer = LayerInput(attention_modules(sdpa)[0], hidden_in, keys, keys, None, {"position_embeddings": position})
+    recomputed = window_attention(layer, 8)
     torch.testing.assert_close(from_weights, recomputed, rtol=1e-5, atol=1e-6)
     assert masks["sdpa"][0].shape == (2, 2, 70)
     with pytest.raises(ValueError, match="eager"):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import FAMILIES, kept_masks, tiny_model
+from helpers import FAMILIES, head_scores, kept_masks, tiny_model
 from kvpress import PrefillDecodingPress, SnapKVPress
 
 from kvpress_critical import CompactCachePress, CriticalHeadKVPress, CriticalKVPress, HeadKVPress
@@ -103,17 +103,12 @@ def test_integer_budgets_edge_cases(ideal, total, cap):
 # ---- the presses -------------------------------------------------------------------------------------------------
 
 
-def uniform_scores(model):
-    cfg = model.config
-    return {f"{layer}-{h}": [1.0] for layer in range(cfg.num_hidden_layers) for h in range(cfg.num_attention_heads)}
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
 @pytest.mark.parametrize("ratio", [0.3, 0.7])
 def test_uniform_scores_select_like_the_uniform_presses(family, ratio):
     model = tiny_model(family)
     ids = torch.randint(0, 256, (2, 90), generator=torch.Generator().manual_seed(1))  # distinct ids: no ties
-    scores = uniform_scores(model)
+    scores = head_scores(model)
     pairs = [
         (HeadKVPress(SnapKVPress(ratio, window_size=8), head_scores=scores), SnapKVPress(ratio, window_size=8)),
         (
@@ -193,9 +188,7 @@ def test_errors():
     with pytest.raises(ValueError, match="profiled on another model"):
         HeadKVPress(SnapKVPress(0.5), head_scores={"0-0": [1.0]}).post_init_from_model(model)
     with pytest.raises(RuntimeError, match="post_init_from_model"):
-        HeadKVPress(SnapKVPress(0.5), head_scores=uniform_scores(model)).layer_budgets(
-            model.model.layers[0].self_attn, 10
-        )
+        HeadKVPress(SnapKVPress(0.5), head_scores=head_scores(model)).layer_budgets(model.model.layers[0].self_attn, 10)
 
 
 # ---- score files -------------------------------------------------------------------------------------------------

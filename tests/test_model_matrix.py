@@ -19,9 +19,9 @@ def recorded_base_scores(monkeypatch):
     """Record, per layer, the base scores A the presses rank with."""
     records = {}
 
-    def spy(press, module, *args):
-        scores = real(press, module, *args)
-        records[module.layer_idx] = scores.clone()
+    def spy(press, layer):
+        scores = real(press, layer)
+        records[layer.module.layer_idx] = scores.clone()
         return scores
 
     real = kv_module.base_scores

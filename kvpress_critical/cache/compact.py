@@ -12,8 +12,9 @@ Tokens added afterwards (the question, the generated tokens) go to every head al
 doubles (amortised O(1) per token; the packed context is never copied again). Removing an answer (kvpress's
 pipeline does it between questions) only moves the tail's length back.
 
-:meth:`CompactLayer.update` returns a :class:`CompactKV` handle instead of dense tensors; the attention wrapper
-(:mod:`kvpress_critical.cache.attention`) recognises it and runs :func:`kvpress_critical.ops.ragged_attention`.
+:meth:`CompactLayer.update` returns a :class:`~kvpress_critical.cache.attention.CompactKV` handle instead of dense
+tensors; the attention wrapper (:mod:`kvpress_critical.cache.attention`, in transformers' attention functions for as
+long as a compact layer exists) recognises it and runs :func:`kvpress_critical.ops.ragged_attention`.
 The layer keeps the ``keys`` / ``values`` attributes kvpress's pipeline slices to remove answers
 (``layer.keys = layer.keys[:, :, :n]``): they are :class:`LogicalView` objects of the layer's logical shape
 ``(B, H_kv, length, d)``, whose slicing along the sequence crops the tail; any other use of them as tensors is an
@@ -27,30 +28,12 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvpress_critical.cache.attention import CompactKV, hold_attention_wrapping
 from kvpress_critical.cache.quantize import FORMATS, code_bytes, dequantize_rows, quantize_rows
 from kvpress_critical.ops.ragged_attention.layout import cu_seqlens_from_lengths
 
 DEFAULT_RESERVE = 64
 """Tail capacity reserved at compaction (grown by doubling)."""
-
-
-@dataclass
-class CompactKV:
-    """What :meth:`CompactLayer.update` returns to the attention function: the layer and its current state."""
-
-    layer: "CompactLayer"
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return self.layer.logical_shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.layer.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.layer.device
 
 
 @dataclass
@@ -164,6 +147,7 @@ class CompactLayer(CacheLayerMixin):
         self.tail_values = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.tail_len = 0
         self.is_initialized = True
+        hold_attention_wrapping(self)  # attention can read the layer for as long as it exists
 
     @property
     def packed_keys(self) -> torch.Tensor:

@@ -18,7 +18,8 @@ The layouts:
   layer's padded view (:meth:`~kvpress_critical.cache.CompactLayer.padded_view`), the padding excluded; keeping
   packs a new compact layer.
 
-Projected norms computed for an entry are reused after the next chunk (:mod:`kvpress_critical.norm_reuse`):
+Projected norms computed for an entry are reused after the next chunk
+(:attr:`~kvpress_critical.presses.layer_input.LayerInput.known_norms`):
 :class:`StoredNorms` keeps the norms of a view and the entries kept from it, and each layout turns them into the
 norms of the leading entries of its next view (:meth:`~ChunkLayout.known_norms`).
 """
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from kvpress_critical.cache.compact import CompactLayer
-from kvpress_critical.cache.convert import keep_mask_from_indices
+from kvpress_critical.cache.windows import keep_mask_from_indices
 
 __all__ = ["ChunkLayout", "CompactLayout", "DenseLayout", "LayerView", "MaskingLayout", "StoredNorms", "layer_layout"]
 

@@ -1,7 +1,7 @@
 """The presses of kvpress-critical."""
 
 from kvpress_critical.presses.chunked_prefill_press import ChunkedPrefillPress
-from kvpress_critical.presses.compact_cache_press import CompactCachePress
+from kvpress_critical.presses.compact_cache_press import CompactCachePress, CompactDecodingCachePress
 from kvpress_critical.presses.critical_adakv_press import CriticalAdaKVPress
 from kvpress_critical.presses.critical_headkv_press import CriticalHeadKVPress
 from kvpress_critical.presses.critical_kv_press import CriticalKVPress
@@ -12,6 +12,7 @@ from kvpress_critical.presses.layer_defensivekv_press import LayerDefensiveKVPre
 __all__ = [
     "ChunkedPrefillPress",
     "CompactCachePress",
+    "CompactDecodingCachePress",
     "CriticalAdaKVPress",
     "CriticalHeadKVPress",
     "CriticalKVPress",

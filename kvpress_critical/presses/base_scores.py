@@ -5,7 +5,7 @@ import logging
 import torch
 from kvpress import ScorerPress, SnapKVPress
 
-from kvpress_critical.presses.exclusion import excluded_entries, mask_excluded
+from kvpress_critical.presses.layer_input import LayerInput
 from kvpress_critical.presses.window_attention import window_attention
 
 logger = logging.getLogger(__name__)
@@ -13,23 +13,24 @@ logger = logging.getLogger(__name__)
 _warned_short_context = False
 
 
-def base_scores(press: ScorerPress, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
+def base_scores(press: ScorerPress, layer: LayerInput) -> torch.Tensor:
     """
-    ``(B, H_kv, k_len)`` float32 scores of ``press``.
+    ``(B, H_kv, k_len)`` float32 scores of ``press`` on ``layer``.
 
     SnapKV scores every entry of its observation window (the last ``window_size`` tokens) with the same
     top score. When the context is not longer than the window, every entry is in it, so the scores are
     uniform (kvpress's SnapKVPress asserts instead): CriticalKV then ranks by the projected-value norm.
 
-    Entries a chunked prefill excludes (:mod:`~kvpress_critical.presses.exclusion`: evicted after an earlier chunk,
-    padding of the compact layout's view) get ``-inf``; SnapKV's window attention gives them no weight: it is computed
-    here with the exclusions (:func:`~kvpress_critical.presses.window_attention.window_attention`) and handed to
-    SnapKV's own ``score`` as the ``attentions`` it reads when the model's are given.
+    Entries the layer excludes (:attr:`~kvpress_critical.presses.layer_input.LayerInput.excluded`: evicted after an
+    earlier chunk, padding of the compact layout's view) get ``-inf``; SnapKV's window attention gives them no weight:
+    it is computed here with the exclusions (:func:`~kvpress_critical.presses.window_attention.window_attention`) and
+    handed to SnapKV's own ``score`` as the ``attentions`` it reads when the model's are given.
 
     The result is always contiguous, whatever strides the scorer returns (KVzap's scores are a transposed
     view): every selection function downstream may reshape it freely.
     """
     global _warned_short_context
+    keys, hidden_states = layer.keys, layer.hidden_states
     if isinstance(press, SnapKVPress) and hidden_states.shape[1] <= press.window_size:
         if not _warned_short_context:
             _warned_short_context = True
@@ -40,17 +41,18 @@ def base_scores(press: ScorerPress, module, hidden_states, keys, values, attenti
                 type(press).__name__,
                 press.window_size,
             )
-        return mask_excluded(torch.ones(keys.shape[:3], dtype=torch.float32, device=keys.device))
-    if isinstance(press, SnapKVPress) and excluded_entries() is not None:
+        return layer.mask_excluded(torch.ones(keys.shape[:3], dtype=torch.float32, device=keys.device))
+    attentions = layer.attentions
+    if isinstance(press, SnapKVPress) and layer.excluded is not None:
         window = press.window_size
-        weights = window_attention(module, hidden_states, keys, window, kwargs["position_embeddings"], attentions)
+        weights = window_attention(layer, window)
         bsz, num_kv_heads, group, _, k_len = weights.shape
         # as kvpress's own window attention: probabilities in the keys' dtype, one row per query head and window query
         attentions = weights.reshape(bsz, num_kv_heads * group, window, k_len).to(keys.dtype)
-    scores = press.score(module, hidden_states, keys, values, attentions, kwargs)
+    scores = press.score(layer.module, hidden_states, keys, layer.values, attentions, layer.kwargs)
     if scores.shape != keys.shape[:3]:
         raise ValueError(
             f"{type(press).__name__}.score returned shape {tuple(scores.shape)}, expected "
             f"(batch, kv_heads, k_len) = {tuple(keys.shape[:3])}"
         )
-    return mask_excluded(scores.float().contiguous())
+    return layer.mask_excluded(scores.float().contiguous())

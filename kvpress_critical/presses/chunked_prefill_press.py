@@ -7,15 +7,20 @@ from kvpress import BasePress
 from torch import nn
 from transformers import DynamicCache
 
-from kvpress_critical.cache.attention import exact_masked_attention
-from kvpress_critical.cache.convert import is_sliding_layer
+from kvpress_critical.cache.attention import attention_wrapping
 from kvpress_critical.cache.layouts import StoredNorms, layer_layout
-from kvpress_critical.capabilities import Capabilities, capabilities, chunked_prefill_refusal, nested_presses
-from kvpress_critical.modeling import attention_modules, decoder, hooked_attention_modules
-from kvpress_critical.norm_reuse import reusing_norms
+from kvpress_critical.capabilities import (
+    Capabilities,
+    capabilities,
+    chunked_prefill_model_refusal,
+    chunked_prefill_refusal,
+    nested_presses,
+    padded_batch_refusal,
+)
+from kvpress_critical.modeling import decoder, hooked_attention_modules
 from kvpress_critical.presses.budgeted import keep_mask
-from kvpress_critical.presses.exclusion import excluding
 from kvpress_critical.presses.inner_press import InnerPressMixin
+from kvpress_critical.presses.layer_input import LayerInput
 from kvpress_critical.selection import compute_n_kept
 
 # the arguments of a prefill call that the chunks recompute (masks and positions follow what the cache holds)
@@ -47,8 +52,9 @@ class ChunkedPrefillPress(InnerPressMixin, BasePress):
     keys are not used for multi-token queries, see :func:`kvpress_critical.cache.attention.masked_attention`).
     Head-wise scoring of an uneven layout uses a padded view whose padding (and already-evicted entries) gets no
     attention in SnapKV's window and the lowest scores. The projected-value norm of an entry is computed once, when
-    its chunk is first compressed (:mod:`kvpress_critical.norm_reuse`; exact, since it depends on the entry's value
-    only: DefensiveKV's normalisation across heads is recomputed from these raw norms). A pruning ``ScorerPress``
+    its chunk is first compressed (exact, since it depends on the entry's value
+    only: DefensiveKV's normalisation across heads is recomputed from these raw norms; the layer's input carries them,
+:class:`~kvpress_critical.presses.layer_input.LayerInput`). A pruning ``ScorerPress``
     (SnapKV, Knorm, CriticalKV...) is applied as its scores plus a per-head top-k that keeps the entries in position
     order (kvpress's ``compress`` keeps them in score order; the selected set is the same up to ties).
 
@@ -74,12 +80,15 @@ class ChunkedPrefillPress(InnerPressMixin, BasePress):
         The press that compresses (it holds the ``compression_ratio``).
     chunk_size : int, default=4096
         Tokens per chunk; must exceed a SnapKV-style scorer's window.
+    reuse_norms : bool, default=True
+        Reuse the projected-value norms of entries kept after an earlier chunk (exact); False recomputes them.
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities(selection="wrapper", chunked=True)
 
     press: BasePress = None
     chunk_size: int = 4096
+    reuse_norms: bool = True
     # the state of a prefill in progress (never compared, never shown)
     chunk: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)  # chunk being compressed
     reused_norm_entries: int = field(default=0, init=False, repr=False, compare=False)  # norms not recomputed
@@ -125,6 +134,9 @@ class ChunkedPrefillPress(InnerPressMixin, BasePress):
 
     @contextmanager
     def __call__(self, model):
+        refusal = chunked_prefill_model_refusal(self.press, model)
+        if refusal is not None:
+            raise NotImplementedError(refusal)
         self.press.post_init_from_model(model)
         base = decoder(model)
         self._model = model
@@ -152,12 +164,14 @@ class ChunkedPrefillPress(InnerPressMixin, BasePress):
         empty = cache is None or cache.get_seq_length() == 0
         if args or tokens is None or tokens.shape[1] <= self.chunk_size or not empty:
             return None  # not a long prefill: a one-shot prefill is compressed by the inner press's own hook
-        self._check(kwargs.get("attention_mask"))
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+            raise NotImplementedError(padded_batch_refusal(self))
         cache = DynamicCache(config=self._model.config) if cache is None else cache  # it must outlive the chunks
         rest = {k: v for k, v in kwargs.items() if k not in _RECOMPUTED}
         bounds = self.chunk_bounds(tokens.shape[1])
         self._prefill = ExitStack()
-        self._prefill.enter_context(exact_masked_attention())  # chunks attend exactly over the masking layout
+        self._prefill.enter_context(attention_wrapping(exact_masking=True))  # chunks attend exactly over masked entries
         self._norms = {}
 
         def chunk_kwargs(start, end):
@@ -192,29 +206,6 @@ class ChunkedPrefillPress(InnerPressMixin, BasePress):
             self._prefill.close()
             self._prefill = None
 
-    def _check(self, mask) -> None:
-        if any(capabilities(p).selects_after_last_layer for p in nested_presses(self.press)):
-            raise NotImplementedError(
-                f"{type(self.press).__name__} selects every layer at once after the last one: it cannot compress "
-                "each layer after each chunk. Use DefensiveKVPress (per-layer budgets) with ChunkedPrefillPress."
-            )
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
-            raise NotImplementedError("ChunkedPrefillPress does not support padded batches: prefill rows one by one")
-        hooked = hooked_attention_modules(self._model)
-        pruning = capabilities(self.press).selection == "pruning"
-        if pruning and len(hooked) != len(attention_modules(self._model)):
-            raise NotImplementedError(
-                f"{type(self._model).__name__}: kvpress compresses only some layers of this model, and a pruning press "
-                "would leave the layers with different lengths, which the chunks' causal masks cannot follow; use a "
-                "head-wise press (e.g. CriticalAdaKVPress) with ChunkedPrefillPress on it"
-            )
-        sliding = [m.layer_idx for m in hooked if is_sliding_layer(m)]
-        if sliding and not pruning:
-            raise NotImplementedError(
-                f"layers {sliding} attend through a sliding window, which the exact masked attention of the chunks "
-                "does not implement (kvpress's fake keys can leak); use a pruning press or a one-shot prefill"
-            )
-
     # ---- after every layer: compress back to the budget of the tokens seen --------------------------------------
 
     def _after_layer(self, module, args, kwargs, output):
@@ -227,17 +218,16 @@ class ChunkedPrefillPress(InnerPressMixin, BasePress):
         pruning = capabilities(self.press).selection == "pruning"
         layout = layer_layout(kwargs["past_key_values"], idx, module, pruning, self.chunk)
         view = layout.view()
-        stored = self._norms.get(idx)
+        stored = self._norms.get(idx) if self.reuse_norms else None
         known = layout.known_norms(stored) if stored is not None else {}
         n_kept = compute_n_kept(seen, self.compression_ratio)
-        with excluding(view.excluded), reusing_norms(known) as norms:
-            hidden_states = kwargs["hidden_states"]
-            keep = keep_mask(self.press, module, hidden_states, view.keys, view.values, output[1], kwargs, n_kept)
-        if view.excluded is not None:
-            keep &= ~view.excluded
+        layer = LayerInput(
+            module, kwargs["hidden_states"], view.keys, view.values, output[1], kwargs, view.excluded, known
+        )
+        keep = keep_mask(self.press, layer, n_kept)
         layout.keep(keep)
-        self._norms[idx] = StoredNorms(norms.computed, keep)
-        self.reused_norm_entries += norms.reused_entries
+        self._norms[idx] = StoredNorms(layer.computed_norms, keep)
+        self.reused_norm_entries += layer.reused_entries
         return output
 
 

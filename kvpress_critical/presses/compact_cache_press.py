@@ -8,14 +8,22 @@ from kvpress import BasePress, DecodingPress, PrefillDecodingPress
 from kvpress.presses.base_press import is_prefilling
 from transformers import QuantizedCache
 
-from kvpress_critical.cache import DEFAULT_RESERVE, CompactLayer, compact_layer, install_attention, is_sliding_layer
+from kvpress_critical.cache import DEFAULT_RESERVE, attention_wrapping, compact_layer, is_sliding_layer
 from kvpress_critical.cache.quantize import FORMATS
-from kvpress_critical.capabilities import Capabilities, capabilities, compact_refusal, nested_presses
+from kvpress_critical.capabilities import (
+    Capabilities,
+    capabilities,
+    compact_model_refusal,
+    compact_refusal,
+    nested_presses,
+    padded_batch_refusal,
+)
 from kvpress_critical.modeling import decoder, hooked_attention_modules
 from kvpress_critical.presses.budgeted import keep_mask
 from kvpress_critical.presses.checks import check_ratio
 from kvpress_critical.presses.decoding_compression import DecodingCompressor
 from kvpress_critical.presses.inner_press import InnerPressMixin
+from kvpress_critical.presses.layer_input import LayerInput
 from kvpress_critical.selection import compute_n_kept
 
 logger = logging.getLogger(__name__)
@@ -90,15 +98,14 @@ class CompactCachePress(InnerPressMixin, BasePress):
     quantize: str | None = None
     # the state of a forward in progress (never compared, never shown): the rows' first real token, for a padded batch
     _row_starts: list | None = field(default=None, init=False, repr=False, compare=False)
-    _padded: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # layer -> dense K, V, keep
     _decoding: DecodingCompressor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __new__(cls, *args, **kwargs):
-        # with a decoding press inside, kvpress's pipeline must enter the press for the answers too: it does so for
-        # PrefillDecodingPress instances, which the compact press with a decoding schedule then is
+        # with a decoding press inside: CompactDecodingCachePress, a PrefillDecodingPress that kvpress's pipeline enters
+        # for the answers too (its docstring says why)
         press = kwargs.get("press", args[0] if args else None)
         if cls is CompactCachePress and isinstance(press, BasePress) and split_phases(press)[1] is not None:
-            cls = _CompactDecodingCachePress
+            cls = CompactDecodingCachePress
         return super().__new__(cls)
 
     def __post_init__(self):
@@ -149,13 +156,9 @@ class CompactCachePress(InnerPressMixin, BasePress):
 
     @staticmethod
     def check_attention(model) -> None:
-        configs = [model.config, getattr(model.config, "text_config", None)]
-        if any(getattr(c, "_attn_implementation", None) == "eager" for c in configs if c is not None):
-            raise ValueError(
-                "CompactCachePress needs a registered attention function (sdpa, flash_attention_2...): eager attention "
-                "calls the model's own function, which cannot read the compact layout. Load the model with "
-                "attn_implementation='sdpa'."
-            )
+        refusal = compact_model_refusal(model)
+        if refusal is not None:
+            raise ValueError(refusal)
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         raise NotImplementedError(
@@ -166,13 +169,16 @@ class CompactCachePress(InnerPressMixin, BasePress):
     @contextmanager
     def __call__(self, model):
         self.check_attention(model)
-        install_attention()
-        modules = [m for m in hooked_attention_modules(model) if not is_sliding_layer(m)]
-        if not modules:
+        modules = hooked_attention_modules(model)
+        compacted = [m for m in modules if not is_sliding_layer(m)]
+        if not compacted:
             logger.warning(
                 "CompactCachePress: every layer of this model uses sliding-window attention; none is compacted"
             )
         prefill, schedule = self.prefill_press, self.decoding_schedule
+        # a budgeted press is given the layer explicitly here (one selection, packed from its keep mask); any other
+        # press compresses through its own hooks first (e.g. ChunkedPrefillPress's chunks), then its layers are packed
+        explicit = prefill is not None and capabilities(prefill).budgeted
         # a press that compresses every layer only once the last one is scored (Layer-DefensiveKV) sets its masks
         # after the per-layer hooks ran: its layers are compacted when the whole forward pass has ended
         deferred = prefill is not None and any(
@@ -180,29 +186,21 @@ class CompactCachePress(InnerPressMixin, BasePress):
         )
         pending: list = []
 
-        def select_rows(module, args, kwargs, output):  # first: the dense layer as the prefill left it
-            if self._row_starts is not None and is_prefilling(
-                kwargs["cache_position"], kwargs["hidden_states"].shape[1]
-            ):
-                layer = kwargs["past_key_values"].layers[module.layer_idx]
-                self._padded[module.layer_idx] = (layer.keys, layer.values, self._padded_keep(module, kwargs))
-            return output
-
-        def layer_hook(module, args, kwargs, output):  # last: after the inner press compressed the layer
+        def layer_hook(module, args, kwargs, output):
             if not is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
-                if self._decoding is not None:
+                if self._decoding is not None and not is_sliding_layer(module):
                     self._decoding.after_layer(module, kwargs, output)
                 return output
+            if is_sliding_layer(module):  # kept dense: compressed by the press as it is alone
+                return prefill.forward_hook(module, args, kwargs, output) if explicit else output
             cache, idx = kwargs["past_key_values"], module.layer_idx
-            if deferred:
+            if explicit:
+                dense = cache.layers[idx]
+                layer = LayerInput(module, kwargs["hidden_states"], dense.keys, dense.values, output[1], kwargs)
+                compact_layer(cache, idx, module, self.reserve, keep=self._keep(layer), quantize=self.quantize)
+            elif deferred:
                 pending.append((cache, module))
-            elif idx in self._padded:  # a padded batch: each row selected as if alone (whatever the press did)
-                keys, values, keep = self._padded.pop(idx)
-                cache.layers[idx] = CompactLayer.from_keep_mask(
-                    keys, values, keep, reserve=self.reserve, quantize=self.quantize
-                )
-                module.masked_key_indices = None
-            else:
+            else:  # what the press's own hook selected: masked entries, or the entries a pruning press left
                 compact_layer(cache, idx, module, self.reserve, quantize=self.quantize)
             return output
 
@@ -225,18 +223,19 @@ class CompactCachePress(InnerPressMixin, BasePress):
                 cache, module = pending.pop(0)
                 compact_layer(cache, module.layer_idx, module, self.reserve, quantize=self.quantize)
             self._row_starts = None
-            self._padded.clear()
             return output
 
         base_model = decoder(model)
         with ExitStack() as stack:
-            if prefill is not None:
+            stack.enter_context(attention_wrapping())
+            if explicit:
+                prefill.post_init_from_model(model)
+            elif prefill is not None:
                 stack.enter_context(prefill(model))  # its own hooks compress, as it does alone
             if schedule is not None:
                 schedule.base_press.post_init_from_model(model)
                 self._decoding = DecodingCompressor(schedule, model)
-            hooks = [m.register_forward_hook(select_rows, with_kwargs=True, prepend=True) for m in modules]
-            hooks += [m.register_forward_hook(layer_hook, with_kwargs=True) for m in modules]
+            hooks = [m.register_forward_hook(layer_hook, with_kwargs=True) for m in modules]
             hooks.append(base_model.register_forward_pre_hook(before_forward, with_kwargs=True))
             hooks.append(base_model.register_forward_hook(after_forward, with_kwargs=True, always_call=True))
             try:
@@ -247,7 +246,25 @@ class CompactCachePress(InnerPressMixin, BasePress):
                 pending.clear()
                 self._decoding = None
                 self._row_starts = None
-                self._padded.clear()
+
+    def _keep(self, layer: LayerInput) -> torch.Tensor:
+        """
+        ``(B, H_kv, T)`` bool: what the prefill press keeps of ``layer``, selected once; in a left-padded batch, every
+        row on its own tokens with its own budget (padding never kept).
+        """
+        ratio = self.compression_ratio
+        if self._row_starts is None:
+            if ratio == 0:
+                return torch.ones(layer.shape, dtype=torch.bool, device=layer.keys.device)
+            return keep_mask(self.prefill_press, layer, compute_n_kept(layer.shape[2], ratio))
+        keep = torch.zeros(layer.shape, dtype=torch.bool, device=layer.keys.device)
+        for row, start in enumerate(self._row_starts):
+            if ratio == 0:
+                keep[row, :, start:] = True
+            else:
+                n_kept = compute_n_kept(layer.shape[2] - start, ratio)
+                keep[row : row + 1, :, start:] = keep_mask(self.prefill_press, layer.rows(row, start), n_kept)
+        return keep
 
     def _padding(self, mask: torch.Tensor) -> list[int]:
         """The first real token of every row of a left-padded batch (an error for other paddings)."""
@@ -260,61 +277,20 @@ class CompactCachePress(InnerPressMixin, BasePress):
                 "CompactCachePress compresses a padded batch row by row and needs each row's tokens last: pad on the "
                 "left (tokenizer.padding_side = 'left', as model.generate expects)"
             )
-        prefill = self.prefill_press
-        caps = None if prefill is None else capabilities(prefill)
-        if caps is not None and caps.selects_after_last_layer:
-            raise NotImplementedError(
-                f"CompactCachePress compresses a padded batch row by row, with each row's own budget, but "
-                f"{type(prefill).__name__} selects every layer at once after the last one; run the rows one at a time"
-            )
-        if caps is not None and not caps.budgeted:
-            raise NotImplementedError(
-                f"CompactCachePress compresses a padded batch row by row, with each row's own budget, which "
-                f"{type(prefill).__name__} cannot be given (it selects with its own compress()); run the rows one at "
-                "a time, or use a press of this package, a kvpress ScorerPress or AdaKVPress"
-            )
+        refusal = padded_batch_refusal(self.prefill_press)
+        if refusal is not None:
+            raise NotImplementedError(refusal)
         return starts.tolist()
 
-    def _padded_keep(self, module, kwargs) -> torch.Tensor:
-        """``(B, H_kv, T)`` bool: every row's selection on its own tokens, with its own budget; padding never kept."""
-        cache = kwargs["past_key_values"]
-        layer = cache.layers[module.layer_idx]
-        keys, values = layer.keys, layer.values
-        keep = torch.zeros(keys.shape[:3], dtype=torch.bool, device=keys.device)
-        prefill = self.prefill_press
-        for row, start in enumerate(self._row_starts):
-            length = keys.shape[2] - start
-            if prefill is None or self.compression_ratio == 0:
-                keep[row, :, start:] = True
-                continue
-            cos, sin = kwargs["position_embeddings"]  # (1 or B, T, d)
-            pick = slice(row, row + 1) if cos.shape[0] > 1 else slice(0, 1)
-            row_kwargs = {
-                **kwargs,
-                "attention_mask": None,
-                "position_embeddings": (cos[pick, start:], sin[pick, start:]),
-            }
-            keep[row : row + 1, :, start:] = keep_mask(
-                prefill,
-                module,
-                kwargs["hidden_states"][row : row + 1, start:],
-                keys[row : row + 1, :, start:],
-                values[row : row + 1, :, start:],
-                None,
-                row_kwargs,
-                compute_n_kept(length, self.compression_ratio),
-            )
-        return keep
 
+class CompactDecodingCachePress(CompactCachePress, PrefillDecodingPress):
+    """
+    What ``CompactCachePress(press)`` builds when ``press`` compresses while decoding (a ``DecodingPress``, or a
+    ``PrefillDecodingPress`` with one): the same press, also a kvpress ``PrefillDecodingPress``.
 
-class _CompactDecodingCachePress(CompactCachePress, PrefillDecodingPress):
-    """``CompactCachePress`` around a decoding press: a ``PrefillDecodingPress`` too, so that kvpress's pipeline
-    enters it for the answers (and asks one question per context, as for its own decoding presses)."""
-
-    def __repr__(self):
-        return super().__repr__().replace(type(self).__name__, "CompactCachePress", 1)
-
-
-def compact_layers(cache) -> list[CompactLayer]:
-    """The compact layers of a cache (e.g. after ``pipe(..., press=CompactCachePress(...), cache=cache)``)."""
-    return [layer for layer in cache.layers if isinstance(layer, CompactLayer)]
+    kvpress's pipeline enters a press for the answer's generation only when it is a ``DecodingPress`` or a
+    ``PrefillDecodingPress`` (``KVPressTextGenerationPipeline._forward``); without this class the decoding schedule
+    would never run there. As for kvpress's own decoding presses, the pipeline then asks one question per context.
+    ``CompactCachePress.__new__`` chooses it, so users write ``CompactCachePress(DecodingPress(...))``; it is the one
+    place where the class differs from the one called (``tests/presses/test_layer_compression.py`` checks both).
+    """

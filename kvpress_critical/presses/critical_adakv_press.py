@@ -6,10 +6,11 @@ from kvpress import AdaKVPress, ScorerPress
 from torch import nn
 
 from kvpress_critical.capabilities import Capabilities
-from kvpress_critical.modeling import check_attention_supports_masking, module_projected_norm
+from kvpress_critical.modeling import check_attention_supports_masking
 from kvpress_critical.presses.base_scores import base_scores
 from kvpress_critical.presses.checks import check_common, check_fraction
 from kvpress_critical.presses.inner_press import InnerPressMixin
+from kvpress_critical.presses.layer_input import LayerInput
 from kvpress_critical.presses.masking import set_masked_key_indices
 from kvpress_critical.selection import compute_n_kept, critical_adakv_keep_mask
 
@@ -68,11 +69,11 @@ class CriticalAdaKVPress(InnerPressMixin, AdaKVPress):
         check_attention_supports_masking(model.config, type(self).__name__)
         super().post_init_from_model(model)
 
-    def keep_mask(self, module, hidden_states, keys, values, attentions, kwargs, n_kept: int) -> torch.Tensor:
+    def keep_mask(self, layer: LayerInput, n_kept: int) -> torch.Tensor:
         """``(B, H_kv, T)`` bool: AdaKV's budgets for ``n_kept`` per head on average, Algorithm 1 inside each head."""
-        check_attention_supports_masking(module.config, type(self).__name__)
-        scores = base_scores(self.press, module, hidden_states, keys, values, attentions, kwargs)
-        projected_norm = module_projected_norm(module, values, self.norm, self.backend)
+        check_attention_supports_masking(layer.module.config, type(self).__name__)
+        scores = base_scores(self.press, layer)
+        projected_norm = layer.projected_norm(self.norm, self.backend)
         keep, _, _ = critical_adakv_keep_mask(
             scores, projected_norm, n_kept, self.alpha_safeguard, self.first_stage_ratio, self.epsilon
         )
@@ -91,6 +92,6 @@ class CriticalAdaKVPress(InnerPressMixin, AdaKVPress):
             return keys, values
         bsz, num_kv_heads, k_len, _ = keys.shape
         n_kept = compute_n_kept(k_len, self.compression_ratio)
-        keep = self.keep_mask(module, hidden_states, keys, values, attentions, kwargs, n_kept)
+        keep = self.keep_mask(LayerInput.from_compress(module, hidden_states, keys, values, attentions, kwargs), n_kept)
         set_masked_key_indices(module, keep, num_kv_heads * (k_len - n_kept))
         return keys, values

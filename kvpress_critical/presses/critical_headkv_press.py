@@ -5,10 +5,10 @@ import torch
 from kvpress import BasePress, ScorerPress
 
 from kvpress_critical.capabilities import Capabilities
-from kvpress_critical.modeling import module_projected_norm
 from kvpress_critical.presses.checks import check_common, check_fraction
 from kvpress_critical.presses.head_budgets import HeadBudgetsMixin
 from kvpress_critical.presses.inner_press import InnerPressMixin
+from kvpress_critical.presses.layer_input import LayerInput
 from kvpress_critical.selection import two_stage_keep_mask
 
 
@@ -58,13 +58,13 @@ class CriticalHeadKVPress(HeadBudgetsMixin, InnerPressMixin, BasePress):
         check_fraction(self.first_stage_ratio, "first_stage_ratio")
         self.check_headkv()
 
-    def keep_mask(self, module, hidden_states, keys, values, attentions, kwargs, n_kept: int) -> torch.Tensor:
+    def keep_mask(self, layer: LayerInput, n_kept: int) -> torch.Tensor:
         """``(B, H_kv, T)`` bool: HeadKV's budgets (``n_kept`` per head on average), Algorithm 1 inside each head."""
-        scores, budgets = self.scores_and_budgets(module, hidden_states, keys, values, attentions, kwargs, n_kept)
+        scores, budgets = self.scores_and_budgets(layer, n_kept)
         n_first = (budgets * self.first_stage_ratio).long()
         if self.first_stage_ratio > 0:  # like first_stage_budget: at least one stage-1 entry in a non-empty head
             n_first = torch.where(budgets > 0, n_first.clamp(min=1), n_first)
-        projected_norm = module_projected_norm(module, values, self.norm, self.backend)
+        projected_norm = layer.projected_norm(self.norm, self.backend)
         keep, _ = two_stage_keep_mask(scores, projected_norm, budgets, n_first, self.epsilon)
         return keep
 

@@ -6,10 +6,10 @@ from kvpress import ScorerPress
 from torch import nn
 
 from kvpress_critical.capabilities import Capabilities
-from kvpress_critical.modeling import module_projected_norm
 from kvpress_critical.presses.base_scores import base_scores
 from kvpress_critical.presses.checks import check_common
 from kvpress_critical.presses.inner_press import InnerPressMixin
+from kvpress_critical.presses.layer_input import LayerInput
 from kvpress_critical.selection import compute_n_kept, critical_scores, first_stage_budget, top_budget_mask
 
 
@@ -79,11 +79,11 @@ class CriticalKVPress(InnerPressMixin, ScorerPress):
     def __post_init__(self):
         check_common(self.press, type(self).__name__, self.epsilon, self.first_stage_ratio, self.norm, self.backend)
 
-    def critical_scores(self, module, hidden_states, keys, values, attentions, kwargs, n_kept: int) -> torch.Tensor:
+    def critical_scores(self, layer: LayerInput, n_kept: int) -> torch.Tensor:
         """``(B, H_kv, T)`` float32 scores whose per-head top ``n_kept`` is Algorithm 1 with a budget of ``n_kept``."""
-        scores = base_scores(self.press, module, hidden_states, keys, values, attentions, kwargs)
+        scores = base_scores(self.press, layer)
         n_first = first_stage_budget(n_kept, self.first_stage_ratio)
-        projected_norm = module_projected_norm(module, values, self.norm, self.backend)
+        projected_norm = layer.projected_norm(self.norm, self.backend)
         return critical_scores(scores, projected_norm, n_first, self.epsilon)
 
     def score(
@@ -96,9 +96,10 @@ class CriticalKVPress(InnerPressMixin, ScorerPress):
         kwargs: dict,
     ) -> torch.Tensor:
         n_kept = compute_n_kept(keys.shape[2], self.compression_ratio)
-        return self.critical_scores(module, hidden_states, keys, values, attentions, kwargs, n_kept)
+        layer = LayerInput.from_compress(module, hidden_states, keys, values, attentions, kwargs)
+        return self.critical_scores(layer, n_kept)
 
-    def keep_mask(self, module, hidden_states, keys, values, attentions, kwargs, n_kept: int) -> torch.Tensor:
+    def keep_mask(self, layer: LayerInput, n_kept: int) -> torch.Tensor:
         """``(B, H_kv, T)`` bool: the ``n_kept`` entries of each head Algorithm 1 keeps (an explicit budget)."""
-        scores = self.critical_scores(module, hidden_states, keys, values, attentions, kwargs, n_kept)
+        scores = self.critical_scores(layer, n_kept)
         return top_budget_mask(scores, torch.full(scores.shape[:2], n_kept, device=scores.device))

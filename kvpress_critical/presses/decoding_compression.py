@@ -4,11 +4,12 @@ kvpress's ``DecodingPress(base_press, compression_interval, target_size, hidden_
 cache every ``compression_interval`` forwards after the prefill back to ``target_size`` entries per head, scoring with
 the hidden states of the last ``hidden_states_buffer_size`` forwards. Its own hook rewrites a dense cache
 (``layer.keys = ...``) and, with a head-wise base press, only masks. :class:`DecodingCompressor` follows the same
-schedule but trims each layer through its layout (:mod:`kvpress_critical.cache.layouts`): in the compact layout every
-(batch row, KV head) keeps its own budget and the evicted entries are freed, so a generation of thousands of tokens
-holds ``target_size`` entries per head on average (exactly, for a pruning base press) plus at most the tokens of one
-interval; between compressions, tokens are appended in place. Entries evicted once are never selected again (in the
-masking layout they stay, excluded). The base press gets an explicit budget of ``target_size``
+schedule, the target included (``_resolve_target_size``, which subclasses such as ``CompressionRatioDecodingPress``
+derive from the tokens seen), but trims each layer through its layout (:mod:`kvpress_critical.cache.layouts`): in the
+compact layout every (batch row, KV head) keeps its own budget and the evicted entries are freed, so a generation of
+thousands of tokens holds the target per head on average (exactly, for a pruning base press) plus at most the tokens
+of one interval; between compressions, tokens are appended in place. Entries evicted once are never selected again
+(in the masking layout they stay, excluded). The base press gets an explicit budget of the target size
 (:func:`~kvpress_critical.presses.budgeted.keep_mask`), and the buffered tokens their own rotary embeddings (kvpress
 hands a SnapKV-style scorer the current token's for the whole window).
 
@@ -28,12 +29,12 @@ from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
 from kvpress_critical.cache.compact import CompactLayer
-from kvpress_critical.cache.convert import is_sliding_layer
 from kvpress_critical.cache.layouts import layer_layout
+from kvpress_critical.cache.windows import is_sliding_layer
 from kvpress_critical.capabilities import capabilities
 from kvpress_critical.modeling import decoder, hooked_attention_modules
 from kvpress_critical.presses.budgeted import keep_mask
-from kvpress_critical.presses.exclusion import excluding
+from kvpress_critical.presses.layer_input import LayerInput
 
 __all__ = ["DecodingCompressor", "decoding_compression"]
 
@@ -74,21 +75,22 @@ class DecodingCompressor:
             positions = kwargs["cache_position"].unsqueeze(0).expand(hidden_states.shape[0], -1)
         self.buffers[idx].append((hidden_states.detach(), positions))
         self.steps[idx] += 1
-        if self.steps[idx] >= self.schedule.compression_interval or q_len >= self.schedule.target_size:
-            self.compress(module, kwargs, output)
+        target = self.schedule._resolve_target_size(kwargs)  # kvpress's contract: subclasses derive it per call
+        if self.steps[idx] >= self.schedule.compression_interval or q_len >= target:
+            self.compress(module, kwargs, output, target)
             self.steps[idx] = 0
             self.buffers[idx] = []
         size = self.schedule.hidden_states_buffer_size
         self.buffers[idx] = self.buffers[idx][-size:] if size > 0 else []
 
-    def compress(self, module: nn.Module, kwargs: dict, output) -> None:
-        """Compress one layer back to ``target_size`` entries per head (on average), in its own layout."""
+    def compress(self, module: nn.Module, kwargs: dict, output, target: int) -> None:
+        """Compress one layer back to ``target`` entries per head (on average), in its own layout."""
         idx = module.layer_idx
         cache = kwargs["past_key_values"]
         layout = layer_layout(cache, idx, module, self.pruning)
         view = layout.view()
         live = view.keys.shape[2] if view.excluded is None else int((~view.excluded).sum(-1).max())
-        if live <= self.schedule.target_size:
+        if live <= target:
             return  # kvpress's DecodingPress leaves a layer at or under its target as it is
         hidden = torch.cat([h for h, _ in self.buffers[idx]], dim=1)
         positions = torch.cat([p for _, p in self.buffers[idx]], dim=1)
@@ -96,13 +98,8 @@ class DecodingCompressor:
         if self.rotary is not None:  # the buffered tokens' own rotary embeddings
             step_kwargs["position_embeddings"] = self.rotary(hidden, positions.to(hidden.device))
         attentions = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-        with excluding(view.excluded):
-            keep = keep_mask(
-                self.press, module, hidden, view.keys, view.values, attentions, step_kwargs, self.schedule.target_size
-            )
-        if view.excluded is not None:
-            keep &= ~view.excluded
-        layout.keep(keep)
+        layer = LayerInput(module, hidden, view.keys, view.values, attentions, step_kwargs, view.excluded)
+        layout.keep(keep_mask(self.press, layer, target))
         layer = cache.layers[idx]
         if isinstance(layer, CompactLayer):
             layer.compressed_while_decoding = True

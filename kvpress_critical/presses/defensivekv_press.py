@@ -3,14 +3,13 @@ from typing import ClassVar
 
 import torch
 from kvpress import BasePress
-from torch import nn
 
 from kvpress_critical.capabilities import Capabilities
-from kvpress_critical.modeling import check_attention_supports_masking, module_projected_norm
+from kvpress_critical.modeling import check_attention_supports_masking
 from kvpress_critical.ops import NORMS
 from kvpress_critical.ops.projected_norm import check_backend_name
 from kvpress_critical.presses.checks import check_fraction, check_ratio
-from kvpress_critical.presses.exclusion import excluded_entries, mask_excluded
+from kvpress_critical.presses.layer_input import LayerInput
 from kvpress_critical.presses.masking import set_masked_key_indices
 from kvpress_critical.presses.window_attention import window_attention
 from kvpress_critical.selection import compute_n_kept, defensive_scores, global_top_mask
@@ -82,23 +81,20 @@ class DefensiveKVPress(BasePress):
     def post_init_from_model(self, model):
         check_attention_supports_masking(model.config, type(self).__name__)
 
-    def layer_scores(self, module: nn.Module, hidden_states, keys, values, attentions, kwargs, n_kept: int):
+    def layer_scores(self, layer: LayerInput, n_kept: int):
         """``(B, H_kv, T)`` float32 scores of one layer for ``n_kept`` entries per head on average (forced entries,
-        stage 1 and the window, at ``finfo(float32).max``)."""
-        k_len = keys.shape[2]
+        stage 1 and the window, at ``finfo(float32).max``; the layer's excluded entries at ``-inf``)."""
+        k_len = layer.keys.shape[2]
         window = self.window_size if k_len > self.window_size else max(1, k_len // 2)
-        attention = window_attention(module, hidden_states, keys, window, kwargs["position_embeddings"], attentions)
-        projected_norm = module_projected_norm(module, values, self.norm, self.backend)
-        excluded = excluded_entries()  # (chunked prefill) evicted entries
-        if excluded is not None and excluded.shape != projected_norm.shape:
-            excluded = None
-        scores, _ = defensive_scores(attention, projected_norm, n_kept, self.kernel_size, self.mass, excluded)
-        return mask_excluded(scores)
+        attention = window_attention(layer, window)
+        projected_norm = layer.projected_norm(self.norm, self.backend)
+        scores, _ = defensive_scores(attention, projected_norm, n_kept, self.kernel_size, self.mass, layer.excluded)
+        return layer.mask_excluded(scores)
 
-    def keep_mask(self, module, hidden_states, keys, values, attentions, kwargs, n_kept: int) -> torch.Tensor:
+    def keep_mask(self, layer: LayerInput, n_kept: int) -> torch.Tensor:
         """``(B, H_kv, T)`` bool: one top-``n_kept * H_kv`` over the layer's KV heads (an explicit budget)."""
-        check_attention_supports_masking(module.config, type(self).__name__)
-        scores = self.layer_scores(module, hidden_states, keys, values, attentions, kwargs, n_kept)
+        check_attention_supports_masking(layer.module.config, type(self).__name__)
+        scores = self.layer_scores(layer, n_kept)
         return global_top_mask(scores, n_kept * scores.shape[1])
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
@@ -106,7 +102,7 @@ class DefensiveKVPress(BasePress):
             return keys, values
         _, num_kv_heads, k_len, _ = keys.shape
         n_kept = compute_n_kept(k_len, self.compression_ratio)
-        keep = self.keep_mask(module, hidden_states, keys, values, attentions, kwargs, n_kept)
+        keep = self.keep_mask(LayerInput.from_compress(module, hidden_states, keys, values, attentions, kwargs), n_kept)
         set_masked_key_indices(module, keep, num_kv_heads * (k_len - n_kept))
         return keys, values
 

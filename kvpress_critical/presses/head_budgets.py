@@ -6,6 +6,7 @@ from torch import nn
 
 from kvpress_critical.modeling import check_attention_supports_masking
 from kvpress_critical.presses.base_scores import base_scores
+from kvpress_critical.presses.layer_input import LayerInput
 from kvpress_critical.presses.masking import set_masked_key_indices
 from kvpress_critical.selection import compute_n_kept, headkv_budgets
 
@@ -24,11 +25,11 @@ class HeadBudgetsMixin:
         self.press.post_init_from_model(model)
         self.load_head_scores(model)
 
-    def scores_and_budgets(self, module, hidden_states, keys, values, attentions, kwargs, n_kept: int):
+    def scores_and_budgets(self, layer: LayerInput, n_kept: int):
         """``(base scores (B, H_kv, T), budgets (B, H_kv))`` of a layer for ``n_kept`` entries per head on average."""
-        check_attention_supports_masking(module.config, type(self).__name__)
-        scores = base_scores(self.press, module, hidden_states, keys, values, attentions, kwargs)
-        budgets = self.layer_budgets(module, scores.shape[-1], n_kept)
+        check_attention_supports_masking(layer.module.config, type(self).__name__)
+        scores = base_scores(self.press, layer)
+        budgets = self.layer_budgets(layer.module, scores.shape[-1], n_kept)
         return scores, budgets.to(scores.device).expand(scores.shape[0], -1)
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
@@ -36,7 +37,7 @@ class HeadBudgetsMixin:
             return keys, values
         k_len = keys.shape[2]
         n_kept = compute_n_kept(k_len, self.compression_ratio)
-        keep = self.keep_mask(module, hidden_states, keys, values, attentions, kwargs, n_kept)
+        keep = self.keep_mask(LayerInput.from_compress(module, hidden_states, keys, values, attentions, kwargs), n_kept)
         # the host budgets give the masked count without a sync
         n_pruned = keep[0].numel() - int(self.layer_budgets(module, k_len, n_kept).sum())
         set_masked_key_indices(module, keep, n_pruned)

@@ -8,6 +8,7 @@ from kvpress_critical.capabilities import Capabilities
 from kvpress_critical.presses.checks import check_inner_press
 from kvpress_critical.presses.head_budgets import HeadBudgetsMixin
 from kvpress_critical.presses.inner_press import InnerPressMixin
+from kvpress_critical.presses.layer_input import LayerInput
 from kvpress_critical.selection import top_budget_mask
 
 
@@ -53,9 +54,9 @@ class HeadKVPress(HeadBudgetsMixin, InnerPressMixin, BasePress):
         check_inner_press(self.press, type(self).__name__)
         self.check_headkv()
 
-    def keep_mask(self, module, hidden_states, keys, values, attentions, kwargs, n_kept: int) -> torch.Tensor:
+    def keep_mask(self, layer: LayerInput, n_kept: int) -> torch.Tensor:
         """``(B, H_kv, T)`` bool: each head's top entries by base score, within HeadKV's budgets."""
-        scores, budgets = self.scores_and_budgets(module, hidden_states, keys, values, attentions, kwargs, n_kept)
+        scores, budgets = self.scores_and_budgets(layer, n_kept)
         return top_budget_mask(scores, budgets)
 
 

@@ -6,6 +6,7 @@ import torch
 from kvpress_critical.capabilities import Capabilities
 from kvpress_critical.modeling import check_attention_supports_masking, hooked_attention_modules
 from kvpress_critical.presses.defensivekv_press import DefensiveKVPress
+from kvpress_critical.presses.layer_input import LayerInput
 from kvpress_critical.presses.masking import set_masked_key_indices
 from kvpress_critical.selection import compute_n_kept, global_top_mask
 
@@ -27,9 +28,9 @@ class LayerDefensiveKVPress(DefensiveKVPress):
     Based on DefensiveKV (Feng et al., ICLR 2026).
     """
 
+    # not budgeted: its budget is shared by all layers, so no single layer can be given one (no keep_mask)
     capabilities: ClassVar[Capabilities] = Capabilities(
         selection="head-wise",
-        budgeted=True,
         applies_criticalkv=True,
         normalises_across_heads=True,
         scores_exclusions=True,
@@ -57,14 +58,15 @@ class LayerDefensiveKVPress(DefensiveKVPress):
         if module is self._modules[0]:
             self._pending = {}  # a new prefill
         n_kept = compute_n_kept(keys.shape[2], self.compression_ratio)
-        scores = self.layer_scores(module, hidden_states, keys, values, attentions, kwargs, n_kept)
+        layer = LayerInput.from_compress(module, hidden_states, keys, values, attentions, kwargs)
+        scores = self.layer_scores(layer, n_kept)
         self._pending[module.layer_idx] = (module, scores, n_kept)
         module.masked_key_indices = None
         if module is self._modules[-1]:
             self._select_all()
         return keys, values
 
-    def keep_mask(self, module, hidden_states, keys, values, attentions, kwargs, n_kept: int) -> torch.Tensor:
+    def keep_mask(self, layer: LayerInput, n_kept: int) -> torch.Tensor:
         raise NotImplementedError(
             f"{type(self).__name__} selects every layer at once after the last one: it has no per-layer selection "
             "(use DefensiveKVPress for per-layer budgets)"
