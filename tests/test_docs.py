@@ -57,6 +57,14 @@ def test_offline_blocks_are_python_and_every_page_link_exists():
             assert (page.parent / target).exists(), f"{page.relative_to(REPO)} links to {target}, which is missing"
 
 
+def test_the_combinations_table_is_generated_from_the_capabilities():
+    from kvpress_critical.presses.combinations import END, START, markdown
+
+    page = (REPO / "docs" / "presses.md").read_text()
+    table = page.split(START, 1)[1].split(END, 1)[0].strip()
+    assert table == markdown(), "docs/presses.md: run python -m kvpress_critical.presses.combinations --write docs/presses.md"
+
+
 @pytest.mark.slow
 def test_offline_blocks_run_as_written(tmp_path):
     """Every block that claims to run offline does, on the embedded model, each in a fresh namespace."""

@@ -19,8 +19,8 @@ def recorded_base_scores(monkeypatch):
     """Record, per layer, the base scores A the presses rank with."""
     records = {}
 
-    def spy(press, layer):
-        scores = real(press, layer)
+    def spy(press, layer, n_kept=None):
+        scores = real(press, layer, n_kept)
         records[layer.module.layer_idx] = scores.clone()
         return scores
 

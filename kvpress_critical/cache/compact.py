@@ -37,14 +37,13 @@ DEFAULT_RESERVE = 64
 
 
 @dataclass
-class PaddedView:
-    """:meth:`CompactLayer.padded_view`: dense copies of a compact layer's entries, padded per head."""
+class AlignedView:
+    """:meth:`CompactLayer.aligned_view`: a dense copy of a compact layer, every entry at its position."""
 
     keys: torch.Tensor  # (B, H_kv, L, d)
     values: torch.Tensor  # (B, H_kv, L, d)
-    valid: torch.Tensor  # (B, H_kv, L) bool: False on the padding
-    positions: torch.Tensor  # (B, H_kv, L) int32 original positions (-1 on the padding)
-    packed: torch.Tensor  # (B, H_kv, width) bool: where the packed entries went (the first ``width`` slots)
+    valid: torch.Tensor  # (B, H_kv, L) bool: False where the position is not held
+    positions: torch.Tensor  # (B, H_kv, L) int32: 0 .. L-1
 
 
 class LogicalView:
@@ -340,32 +339,36 @@ class CompactLayer(CacheLayerMixin):
             context = 2 * code_bytes(self.num_entries, self.head_dim, FORMATS[self.quantize])
         return context + 2 * tail.numel() * element + self.cu_seqlens.numel() * 8 + self.positions.numel() * 4
 
-    def padded_view(self, tail_positions: torch.Tensor | None = None) -> PaddedView:
+    def aligned_view(self, length: int, tail_positions: torch.Tensor | None = None) -> AlignedView:
         """
-        A dense copy of the layer, ``(B, H_kv, width + tail_len, d)``: each head's packed entries first (their
-        original order), padding up to the longest head (``width`` entries), then the tail, so that the newest
-        tokens are the last entries as every scorer expects. ``tail_positions`` (``(tail_len,)``) are the tail's
-        positions (default: after ``context_length``).
+        A dense copy of the layer at its positions, ``(B, H_kv, length, d)``: every entry held (packed context and
+        tail) in the slot of its original position, the evicted positions empty (``valid`` False). Scores that mix
+        neighbouring positions (SnapKV's pooling) then see the neighbourhoods kvpress's masking layout shows them.
+        ``length``: the positions covered (at least every position held); ``tail_positions`` (``(tail_len,)``): the
+        tail's positions (default: after ``context_length``).
         """
         bsz, num_kv_heads, d = self.batch_size, self.num_kv_heads, self.head_dim
-        lengths = self.segment_lengths()  # (B, H_kv)
-        width, tail = self.max_seqlen, self.tail_len
-        keys = torch.zeros(bsz, num_kv_heads, width + tail, d, dtype=self.dtype, device=self.device)
-        values = torch.zeros_like(keys)
-        slot = torch.arange(width, device=self.device).expand(bsz, num_kv_heads, width)
-        packed = slot < lengths.to(self.device).unsqueeze(-1)  # (B, H_kv, width): where the packed entries go
-        keys[:, :, :width][packed] = self.packed_keys
-        values[:, :, :width][packed] = self.packed_values
-        keys[:, :, width:] = self.tail_keys[:, :, :tail]
-        values[:, :, width:] = self.tail_values[:, :, :tail]
+        tail = self.tail_len
         if tail_positions is None:
-            tail_positions = torch.arange(self.context_length, self.context_length + tail, dtype=torch.int32)
-        positions = torch.full((bsz, num_kv_heads, width + tail), -1, dtype=torch.int32, device=self.device)
-        positions[:, :, :width][packed] = self.positions
-        positions[:, :, width:] = tail_positions.to(device=self.device, dtype=torch.int32)
-        valid = torch.ones(bsz, num_kv_heads, width + tail, dtype=torch.bool, device=self.device)
-        valid[:, :, :width] = packed
-        return PaddedView(keys, values, valid, positions, packed)
+            tail_positions = torch.arange(self.context_length, self.context_length + tail)
+        tail_positions = tail_positions.to(device=self.device, dtype=torch.long)
+        keys = torch.zeros(bsz * num_kv_heads, length, d, dtype=self.dtype, device=self.device)
+        values = torch.zeros_like(keys)
+        valid = torch.zeros(bsz * num_kv_heads, length, dtype=torch.bool, device=self.device)
+        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).to(self.device)
+        segment = torch.repeat_interleave(torch.arange(bsz * num_kv_heads, device=self.device), lengths)
+        position = self.positions.long()
+        keys[segment, position] = self.packed_keys
+        values[segment, position] = self.packed_values
+        valid[segment, position] = True
+        keys = keys.view(bsz, num_kv_heads, length, d)
+        values = values.view(bsz, num_kv_heads, length, d)
+        valid = valid.view(bsz, num_kv_heads, length)
+        keys[:, :, tail_positions] = self.tail_keys[:, :, :tail]
+        values[:, :, tail_positions] = self.tail_values[:, :, :tail]
+        valid[:, :, tail_positions] = True
+        positions = torch.arange(length, dtype=torch.int32, device=self.device).expand(bsz, num_kv_heads, length)
+        return AlignedView(keys, values, valid, positions)
 
     def __repr__(self):
         return (

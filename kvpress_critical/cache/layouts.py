@@ -15,8 +15,9 @@ The layouts:
 - :class:`MaskingLayout`: kvpress's masking layout (a head-wise press alone): the view is the layer, the entries
   masked so far excluded; keeping masks the others (``module.masked_key_indices``), nothing is freed;
 - :class:`CompactLayout`: a :class:`~kvpress_critical.cache.CompactLayer` (``CompactCachePress``): the view is the
-  layer's padded view (:meth:`~kvpress_critical.cache.CompactLayer.padded_view`), the padding excluded; keeping
-  packs a new compact layer.
+  layer at its positions (:meth:`~kvpress_critical.cache.CompactLayer.aligned_view`), the positions it no longer
+  holds excluded, as the masking layout shows them (scores that pool neighbouring positions, SnapKV's, are the same in
+  both); keeping packs a new compact layer.
 
 Projected norms computed for an entry are reused after the next chunk
 (:attr:`~kvpress_critical.presses.layer_input.LayerInput.known_norms`):
@@ -108,8 +109,10 @@ class MaskingLayout:
 class CompactLayout:
     """A :class:`~kvpress_critical.cache.CompactLayer`: kept entries packed per head, the newest tokens in its tail.
 
-    Keeping builds a new compact layer (same reserve, same quantization) whose context is everything the view held:
-    it reports ``context_length`` (default: the logical length so far), its tail is empty."""
+    The view places every entry at its position (the positions not held excluded), so a press scores it as it scores
+    the masking layout. Keeping builds a new compact layer (same reserve, same quantization) whose context is
+    everything the view held: it reports ``context_length`` (default: the logical length so far), its tail is
+    empty."""
 
     def __init__(
         self,
@@ -121,32 +124,26 @@ class CompactLayout:
     ):
         self.cache, self.layer_idx, self.module = cache, layer_idx, module
         self.layer: CompactLayer = cache.layers[layer_idx]
-        self.padded = self.layer.padded_view(tail_positions)
         self.context_length = self.layer.get_seq_length() if context_length is None else context_length
+        self.aligned = self.layer.aligned_view(self.context_length, tail_positions)
 
     def view(self) -> LayerView:
-        return LayerView(self.padded.keys, self.padded.values, ~self.padded.valid, self.padded.positions)
+        return LayerView(self.aligned.keys, self.aligned.values, ~self.aligned.valid, self.aligned.positions)
 
     def keep(self, keep: torch.Tensor) -> None:
         self.cache.layers[self.layer_idx] = CompactLayer.from_keep_mask(
-            self.padded.keys,
-            self.padded.values,
+            self.aligned.keys,
+            self.aligned.values,
             keep,
             reserve=self.layer.reserve,
-            positions=self.padded.positions,
+            positions=self.aligned.positions,
             context_length=self.context_length,
             quantize=self.layer.quantize,
         )
         self.module.masked_key_indices = None
 
     def known_norms(self, stored: StoredNorms) -> dict:
-        packed = self.padded.packed  # (B, H_kv, width): the packed entries, in the order they were kept
-        known = {}
-        for name, norms in stored.norms.items():
-            dense = torch.zeros(packed.shape, dtype=norms.dtype, device=norms.device)
-            dense[packed] = norms[stored.keep]
-            known[name] = dense
-        return known
+        return dict(stored.norms)  # every position stays where it was (the evicted ones are excluded)
 
 
 def layer_layout(

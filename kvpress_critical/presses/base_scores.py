@@ -1,6 +1,7 @@
 """The base score ``A`` of CriticalKV: the inner press's scores, checked, in float32, exclusions at ``-inf``."""
 
 import logging
+from contextlib import contextmanager
 
 import torch
 from kvpress import ScorerPress, SnapKVPress
@@ -13,9 +14,27 @@ logger = logging.getLogger(__name__)
 _warned_short_context = False
 
 
-def base_scores(press: ScorerPress, layer: LayerInput) -> torch.Tensor:
+@contextmanager
+def ratio_for_budget(press, k_len: int, n_kept: int):
     """
-    ``(B, H_kv, k_len)`` float32 scores of ``press`` on ``layer``.
+    ``press.compression_ratio`` set, for the block, to a ratio that keeps ``n_kept`` of ``k_len`` entries
+    (``int(k_len * (1 - ratio)) == n_kept``), as kvpress's ``DecodingPress`` sets its base press's: scorers whose scores
+    depend on the ratio (StreamingLLM evicts exactly ``k_len - n_kept`` entries after its sinks) then score for the
+    budget they are given, not for the ratio they were built with.
+    """
+    ratio = min(max(1.0 - (n_kept + 0.5) / k_len, 0.0), 1.0) if k_len else 0.0
+    original = press.compression_ratio
+    press.compression_ratio = ratio
+    try:
+        yield
+    finally:
+        press.compression_ratio = original
+
+
+def base_scores(press: ScorerPress, layer: LayerInput, n_kept: int | None = None) -> torch.Tensor:
+    """
+    ``(B, H_kv, k_len)`` float32 scores of ``press`` on ``layer`` (for a budget of ``n_kept`` entries per head, when
+    the scores depend on it: :func:`ratio_for_budget`).
 
     SnapKV scores every entry of its observation window (the last ``window_size`` tokens) with the same
     top score. When the context is not longer than the window, every entry is in it, so the scores are
@@ -49,7 +68,11 @@ def base_scores(press: ScorerPress, layer: LayerInput) -> torch.Tensor:
         bsz, num_kv_heads, group, _, k_len = weights.shape
         # as kvpress's own window attention: probabilities in the keys' dtype, one row per query head and window query
         attentions = weights.reshape(bsz, num_kv_heads * group, window, k_len).to(keys.dtype)
-    scores = press.score(layer.module, hidden_states, keys, layer.values, attentions, layer.kwargs)
+    if n_kept is None:
+        scores = press.score(layer.module, hidden_states, keys, layer.values, attentions, layer.kwargs)
+    else:
+        with ratio_for_budget(press, keys.shape[2], n_kept):
+            scores = press.score(layer.module, hidden_states, keys, layer.values, attentions, layer.kwargs)
     if scores.shape != keys.shape[:3]:
         raise ValueError(
             f"{type(press).__name__}.score returned shape {tuple(scores.shape)}, expected "

@@ -33,10 +33,10 @@ def keep_mask(press, layer: LayerInput, n_kept: int) -> torch.Tensor:
     if callable(own):
         keep = own(layer, n_kept)
     elif isinstance(press, AdaKVPress):  # kvpress's AdaKV: its scorer's scores, AdaKV's head budgets
-        scores = base_scores(press.press, layer)
+        scores = base_scores(press.press, layer, n_kept)
         keep = top_budget_mask(scores, adaptive_head_budgets(scores, n_kept, press.alpha_safeguard))
     elif isinstance(press, ScorerPress):  # a pruning scorer: its scores, the same top-k in every head
-        scores = base_scores(press, layer)
+        scores = base_scores(press, layer, n_kept)
         keep = top_budget_mask(scores, torch.full(scores.shape[:2], n_kept, device=scores.device))
     else:
         raise TypeError(f"{type(press).__name__} is declared budgeted but has no keep_mask(layer, n_kept) method")

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from kvpress_critical.cache.attention import attention_wrapping
 from kvpress_critical.cache.layouts import StoredNorms, layer_layout
+from kvpress_critical.cache.windows import is_sliding_layer
 from kvpress_critical.capabilities import (
     Capabilities,
     capabilities,
@@ -96,6 +97,9 @@ class ChunkedPrefillPress(InnerPressMixin, BasePress):
     _model: nn.Module | None = field(default=None, init=False, repr=False, compare=False)
     _prefill: ExitStack | None = field(default=None, init=False, repr=False, compare=False)  # a chunked prefill's scope
     _running_chunks: bool = field(default=False, init=False, repr=False, compare=False)  # inside the earlier chunks
+    # set by an outer CompactCachePress while it is entered: a dense layer is masked, not pruned, after its first chunk
+    # (the compact press then packs it with its entries' positions, which pruning would lose)
+    compact_outside: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not isinstance(self.press, BasePress):
@@ -216,6 +220,7 @@ class ChunkedPrefillPress(InnerPressMixin, BasePress):
         start, seen = self.chunk
         idx = module.layer_idx
         pruning = capabilities(self.press).selection == "pruning"
+        pruning &= not (self.compact_outside and not is_sliding_layer(module))
         layout = layer_layout(kwargs["past_key_values"], idx, module, pruning, self.chunk)
         view = layout.view()
         stored = self._norms.get(idx) if self.reuse_norms else None

@@ -226,8 +226,12 @@ class CompactCachePress(InnerPressMixin, BasePress):
             return output
 
         base_model = decoder(model)
+        chunked = [p for p in nested_presses(self.press) if capabilities(p).chunked]
         with ExitStack() as stack:
             stack.enter_context(attention_wrapping())
+            for press in chunked:  # its layers keep their positions (masked, not pruned) until packed here
+                press.compact_outside = True
+                stack.callback(setattr, press, "compact_outside", False)
             if explicit:
                 prefill.post_init_from_model(model)
             elif prefill is not None:

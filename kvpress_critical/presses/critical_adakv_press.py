@@ -72,7 +72,7 @@ class CriticalAdaKVPress(InnerPressMixin, AdaKVPress):
     def keep_mask(self, layer: LayerInput, n_kept: int) -> torch.Tensor:
         """``(B, H_kv, T)`` bool: AdaKV's budgets for ``n_kept`` per head on average, Algorithm 1 inside each head."""
         check_attention_supports_masking(layer.module.config, type(self).__name__)
-        scores = base_scores(self.press, layer)
+        scores = base_scores(self.press, layer, n_kept)
         projected_norm = layer.projected_norm(self.norm, self.backend)
         keep, _, _ = critical_adakv_keep_mask(
             scores, projected_norm, n_kept, self.alpha_safeguard, self.first_stage_ratio, self.epsilon

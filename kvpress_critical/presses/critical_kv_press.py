@@ -81,7 +81,7 @@ class CriticalKVPress(InnerPressMixin, ScorerPress):
 
     def critical_scores(self, layer: LayerInput, n_kept: int) -> torch.Tensor:
         """``(B, H_kv, T)`` float32 scores whose per-head top ``n_kept`` is Algorithm 1 with a budget of ``n_kept``."""
-        scores = base_scores(self.press, layer)
+        scores = base_scores(self.press, layer, n_kept)
         n_first = first_stage_budget(n_kept, self.first_stage_ratio)
         projected_norm = layer.projected_norm(self.norm, self.backend)
         return critical_scores(scores, projected_norm, n_first, self.epsilon)

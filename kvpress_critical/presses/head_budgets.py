@@ -28,7 +28,7 @@ class HeadBudgetsMixin:
     def scores_and_budgets(self, layer: LayerInput, n_kept: int):
         """``(base scores (B, H_kv, T), budgets (B, H_kv))`` of a layer for ``n_kept`` entries per head on average."""
         check_attention_supports_masking(layer.module.config, type(self).__name__)
-        scores = base_scores(self.press, layer)
+        scores = base_scores(self.press, layer, n_kept)
         budgets = self.layer_budgets(layer.module, scores.shape[-1], n_kept)
         return scores, budgets.to(scores.device).expand(scores.shape[0], -1)
 
