@@ -39,8 +39,9 @@ from pathlib import Path
 import torch
 
 import kvpress_critical
-from kvpress_critical.ops import extension, projected_value_norm, projected_value_norm_ref
-from kvpress_critical.ops import ragged_attention, ragged_attention_ref
+from kvpress_critical.ops import extension
+from kvpress_critical.ops.projected_value_norm import projected_value_norm, projected_value_norm_ref
+from kvpress_critical.ops.ragged_attention import ragged_attention, ragged_attention_ref
 from kvpress_critical.ops.ragged_attention import random_layout
 
 site = Path(kvpress_critical.__file__).resolve().parent

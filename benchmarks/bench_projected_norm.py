@@ -41,8 +41,8 @@ from common import (  # noqa: E402
     write_results,
 )
 
-from kvpress_critical.ops import available_backends, projected_value_norm  # noqa: E402
-from kvpress_critical.ops.projected_norm.torch_backend import gram_factors  # noqa: E402
+from kvpress_critical.ops.projected_value_norm import PROJECTED_VALUE_NORM, projected_value_norm  # noqa: E402
+from kvpress_critical.ops.projected_value_norm.torch_backend import gram_factors  # noqa: E402
 
 logger = logging.getLogger("bench_projected_norm")
 
@@ -96,7 +96,7 @@ def methods(values: torch.Tensor, weight: torch.Tensor, shape: dict, device: tor
     found = {"floor": (floor, l1_flop, "l1")}
     if CriticalKVPress is not None:
         found["kvpress"] = (lambda: CriticalKVPress.vwl1norm(values, module), l1_flop, "l1")
-    usable = set(available_backends(device))
+    usable = set(PROJECTED_VALUE_NORM.available(device))
     for norm, flop in (("l1", l1_flop), ("l2", l2_flop)):
         for backend in FUSED[device.type]:
             if backend in usable:

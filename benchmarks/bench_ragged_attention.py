@@ -33,7 +33,7 @@ from common import (  # noqa: E402
     write_results,
 )
 
-from kvpress_critical.ops import RAGGED_ATTENTION, ragged_attention  # noqa: E402
+from kvpress_critical.ops.ragged_attention import RAGGED_ATTENTION, ragged_attention  # noqa: E402
 
 logger = logging.getLogger("bench_ragged_attention")
 

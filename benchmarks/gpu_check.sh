@@ -126,7 +126,7 @@ build() {
   # CUDA first; a CUDA build failure falls back to the CPU-only extension (Triton and torch backends still run)
   KVPRESS_CRITICAL_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} "$PY" kvpress_critical/ops/extension.py \
     || { echo "CUDA build failed: building the CPU extension only"; KVPRESS_CRITICAL_BUILD_CUDA=0 "$PY" kvpress_critical/ops/extension.py; }
-  "$PY" -c "from kvpress_critical.ops import available_backends; print('available on cuda:', available_backends('cuda'))"
+  "$PY" -c "from kvpress_critical import available_backends; print('available on cuda:', available_backends('cuda'))"
 }
 
 kvpress_importable() { "$PY" -c "import kvpress" >/dev/null 2>&1; }

@@ -20,8 +20,12 @@ from pathlib import Path
 
 import torch
 
-from kvpress_critical.ops import available_backends, projected_value_norm, projected_value_norm_ref
-from kvpress_critical.ops.projected_norm.naive import UNIT_ROUNDOFF, projected_value_norm_error_bound
+from kvpress_critical.ops.projected_value_norm import (
+    PROJECTED_VALUE_NORM,
+    projected_value_norm,
+    projected_value_norm_ref,
+)
+from kvpress_critical.ops.projected_value_norm.naive import UNIT_ROUNDOFF, projected_value_norm_error_bound
 from kvpress_critical.ops.ragged_attention import (
     ATTENTION_TOLERANCE,
     RAGGED_ATTENTION,
@@ -124,7 +128,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     candidates = ("cuda", "triton") if device.type == "cuda" else ("cpp", "triton")
-    backends = [b for b in candidates if b in available_backends(device)]
+    backends = [b for b in candidates if b in PROJECTED_VALUE_NORM.available(device)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     failures = 0
     with args.out.open("a") as f:

@@ -1,6 +1,6 @@
 // CUDA kernels of kvpress_critical::head_projected_norm. Pure CUDA: compiles with nvcc alone (no torch headers).
 //
-// Problem (SPEC section 2): for values V (B, H_kv, T, d) and per-head projections P_h (N, d), h < H = H_kv * G,
+// Problem (docs/kernels.md): for values V (B, H_kv, T, d) and per-head projections P_h (N, d), h < H = H_kv * G,
 //   out[b, kv, t] = 1/G * sum_{g < G} || V[b, kv, t, :] @ P_{kv*G+g}^T ||_p        (p = 1 or 2), float32.
 // L1 of the projected values: P_h = W_O^h^T = o_proj.weight[:, h*d:(h+1)*d] (N = D, the hidden size).
 // Exact L2 through the Gram factors: P_h = R_h (N = d), R_h^T R_h = W_O^h W_O^h^T.

@@ -10,7 +10,8 @@ checking the kernels), and a press asked for there raises an ``ImportError`` tha
 import importlib
 
 from kvpress_critical._version import __version__
-from kvpress_critical.ops import available_backends, projected_value_norm
+from kvpress_critical.ops.projected_value_norm import PROJECTED_VALUE_NORM, projected_value_norm
+from kvpress_critical.ops.ragged_attention import ragged_attention
 
 _PRESSES = (
     "ChunkedPrefillPress",
@@ -27,7 +28,13 @@ _PRESSES = (
 # the names that need kvpress, and the module of each
 _LAZY = {**{name: "kvpress_critical.presses" for name in _PRESSES}, "Conversation": "kvpress_critical.conversation"}
 
-__all__ = [*_LAZY, "__version__", "available_backends", "projected_value_norm"]
+__all__ = [*_LAZY, "__version__", "available_backends", "projected_value_norm", "ragged_attention"]
+
+
+def available_backends(device=None) -> list[str]:
+    """The projected-norm backends usable here (``device``: only those running on it); the ops' registries, e.g.
+    ``kvpress_critical.ops.RAGGED_ATTENTION.available()``, answer for each op."""
+    return PROJECTED_VALUE_NORM.available(device)
 
 
 def __getattr__(name: str):

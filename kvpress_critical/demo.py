@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from kvpress_critical.default_model import DEFAULT_MODEL_NAME, load_default_model
 from kvpress_critical.modeling import attention_modules
-from kvpress_critical.ops import resolve_backend
+from kvpress_critical.ops import PROJECTED_VALUE_NORM
 from kvpress_critical.presses import CriticalAdaKVPress, CriticalKVPress
 from kvpress_critical.presses.catalogue import BASE_PRESSES
 
@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     print(
         f"{len(groups)} contexts of ~{args.context_tokens} tokens of real prose (the Python Language Reference) with "
         f"planted facts, {len(df)} questions; compression ratio {args.ratio} (context-only), norm {args.norm}, "
-        f"projected-norm backend {resolve_backend(args.backend, model.device)!r}"
+        f"projected-norm backend {PROJECTED_VALUE_NORM.resolve(args.backend, model.device)!r}"
     )
     first = df.iloc[0]
     print(f"example: {first['question']!r} -> {split_target(first['target'])[0]!r} ... {first['answer'][0]!r}\n")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -233,7 +232,3 @@ def computed_once(path: Path, compute) -> dict:
             if os.path.exists(tmp):
                 os.remove(tmp)
         return result
-
-
-def perplexity(nll: float) -> float:
-    return math.exp(nll)

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 from transformers import Gemma3ForConditionalGeneration
 
-from kvpress_critical.ops import projected_value_norm
+from kvpress_critical.ops.projected_value_norm import projected_value_norm
 
 SUPPORTED_FAMILIES = "Llama, Mistral, Phi-3, Qwen2, Qwen3, Gemma3"
 

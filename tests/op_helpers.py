@@ -7,9 +7,9 @@ import torch
 
 from kvpress_critical.ops import projected_norm as dispatch
 from kvpress_critical.ops import projected_value_norm_ref
-from kvpress_critical.ops.projected_norm.cpp_backend import projected_value_norm_cpp
-from kvpress_critical.ops.projected_norm.naive import UNIT_ROUNDOFF, projected_value_norm_error_bound
-from kvpress_critical.ops.projected_norm.triton_backend import projected_value_norm_triton
+from kvpress_critical.ops.projected_value_norm.cpp_backend import projected_value_norm_cpp
+from kvpress_critical.ops.projected_value_norm.naive import UNIT_ROUNDOFF, projected_value_norm_error_bound
+from kvpress_critical.ops.projected_value_norm.triton_backend import projected_value_norm_triton
 
 # Tolerances are derived, not tuned: inputs of every dtype are exact in float32 (16-bit products too), so the only
 # error is float32 accumulation, bounded per output by projected_value_norm_error_bound (Higham's gamma_n) with the

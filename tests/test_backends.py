@@ -23,7 +23,7 @@ from op_helpers import (
 
 from kvpress_critical.ops import projected_norm as dispatch
 from kvpress_critical.ops import projected_value_norm, projected_value_norm_ref
-from kvpress_critical.ops.projected_norm.naive import UNIT_ROUNDOFF, projected_value_norm_error_bound
+from kvpress_critical.ops.projected_value_norm.naive import UNIT_ROUNDOFF, projected_value_norm_error_bound
 
 
 def check_against_reference(names, device, dtype, k_len, head_dim, group):

@@ -15,7 +15,7 @@ import torch
 
 from kvpress_critical.ops import BackendUnavailableError, projected_value_norm, projected_value_norm_ref
 from kvpress_critical.ops import extension as ext
-from kvpress_critical.ops.projected_norm import PROJECTED_NORM
+from kvpress_critical.ops.projected_value_norm import PROJECTED_VALUE_NORM
 
 REPO = Path(__file__).resolve().parents[1]
 NAIVE = REPO / "kvpress_critical" / "ops" / "projected_norm" / "naive.py"
@@ -173,7 +173,7 @@ def fresh_state(monkeypatch, tmp_path):
     """An empty cache folder and a process that has not loaded the extension yet (the real state is restored)."""
     monkeypatch.setenv("KVPRESS_CRITICAL_HOME", str(tmp_path))
     monkeypatch.setattr(ext, "_STATE", None)
-    monkeypatch.setattr(PROJECTED_NORM, "warned", set())
+    monkeypatch.setattr(PROJECTED_VALUE_NORM, "warned", set())
     yield tmp_path
 
 

@@ -62,7 +62,9 @@ def test_the_combinations_table_is_generated_from_the_capabilities():
 
     page = (REPO / "docs" / "presses.md").read_text()
     table = page.split(START, 1)[1].split(END, 1)[0].strip()
-    assert table == markdown(), "docs/presses.md: run python -m kvpress_critical.presses.combinations --write docs/presses.md"
+    assert table == markdown(), (
+        "docs/presses.md: run python -m kvpress_critical.presses.combinations --write docs/presses.md"
+    )
 
 
 @pytest.mark.slow

@@ -59,12 +59,11 @@ def test_tiny_models_match_kvpress(family, base, pair):
 
 @pytest.mark.parametrize("family", ["qwen2", "phi3"])
 def test_configs_without_head_dim(family):
-    """kvpress's built-in crashes on configs without head_dim; ours equals it once the config is patched."""
+    """Ours works on configs without head_dim (kvpress's built-in reads it) and equals kvpress's built-in once the
+    config is given one."""
     model = tiny_model(family)
     ids = unique_ids(1, 160, seed=2)
     assert not hasattr(model.config, "head_dim")
-    with pytest.raises(AttributeError, match="head_dim"):
-        kept_masks(model, ids, kvpress.CriticalKVPress(SnapKVPress(0.5)))
     ours = kept_masks(model, ids, CriticalKVPress(SnapKVPress(0.5)))  # before patching: must work as is
     model.config.head_dim = model.model.layers[0].self_attn.head_dim
     try:
@@ -78,7 +77,8 @@ def test_configs_without_head_dim(family):
 
 @pytest.mark.parametrize("pair", sorted(PAIRS))
 def test_batch_rows_match_kvpress_per_row(pair):
-    """Batch > 1: each row selects what kvpress selects for that row alone (kvpress's AdaKV crashes batched)."""
+    """Batch > 1: each row selects what kvpress selects for that row alone (kvpress's built-in CriticalAdaKV budgets
+    across the batch, so it is compared row by row)."""
     model = tiny_model("llama")
     ids = unique_ids(3, 200, seed=3)
     ours_cls, theirs_cls = PAIRS[pair]
@@ -87,9 +87,6 @@ def test_batch_rows_match_kvpress_per_row(pair):
         reference = kept_masks(model, ids[row : row + 1], theirs_cls(SnapKVPress(0.6)))
         for layer, (a, b) in enumerate(zip(batched, reference)):
             assert torch.equal(a[row : row + 1], b), f"row {row}, layer {layer}"
-    if pair == "critical_adakv":
-        with pytest.raises(RuntimeError):
-            kept_masks(model, ids, theirs_cls(SnapKVPress(0.6)))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from kvpress_critical.ops import (
     register_backend,
 )
 from kvpress_critical.ops import projected_norm as dispatch
-from kvpress_critical.ops.projected_norm.torch_backend import gram_factors, projected_value_norm_torch
+from kvpress_critical.ops.projected_value_norm.torch_backend import gram_factors, projected_value_norm_torch
 
 # Inputs are upcast exactly to float32, so the error is float32 accumulation only: one row per dtype.
 TOLERANCES = {  # dtype: (rtol, atol)
@@ -158,7 +158,7 @@ def test_dispatch_names_and_errors(fake_backends):
 
 def test_auto_falls_back_with_one_warning(fake_backends, caplog):
     values, weight, heads = make_inputs(1, 2, 2, 5, 16, 40, torch.float32)
-    with caplog.at_level(logging.WARNING, logger="kvpress_critical.ops.projected_norm"):
+    with caplog.at_level(logging.WARNING, logger="kvpress_critical.ops.projected_value_norm"):
         projected_value_norm(values, weight, heads)
         projected_value_norm(values, weight, heads)
     warnings = [r for r in caplog.records if "'cpp' is not available" in r.getMessage()]

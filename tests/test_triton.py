@@ -17,7 +17,7 @@ from op_helpers import assert_within_bound, make_inputs, run_fused
 
 from kvpress_critical.ops import projected_norm as dispatch
 from kvpress_critical.ops import projected_value_norm_ref, triton_utils
-from kvpress_critical.ops.projected_norm import triton_backend as launcher
+from kvpress_critical.ops.projected_value_norm import triton_backend as launcher
 from kvpress_critical.ops.triton_utils import triton_availability, triton_devices
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,4 @@
-"""Per-head attention-output perturbation and its bounds for fixed queries (SPEC section 1).
+"""Per-head attention-output perturbation and its bounds for fixed queries (arXiv 2502.03805, section 3).
 
 For one attention layer, a set of queries captured in the full-cache run and the full keys and values
 they attend to, :func:`layer_reference` computes everything that does not depend on the press (full
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpress_critical.ops import projected_value_norm
+from kvpress_critical.ops.projected_value_norm import projected_value_norm
 
 __all__ = [
     "LayerReference",

@@ -25,7 +25,6 @@ compact layer, and :class:`~kvpress_critical.presses.CompactCachePress` refuses 
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from contextlib import contextmanager
@@ -60,10 +59,6 @@ class CompactKV:
         return self.layer.device
 
 
-def _backend() -> str:
-    return os.environ.get("KVPRESS_CRITICAL_ATTENTION_BACKEND", "auto")
-
-
 def _check_supported(module, dropout, kwargs) -> None:
     window = effective_window(module, kwargs.get("sliding_window"))
     if window is not None:
@@ -94,7 +89,7 @@ def compact_attention(module, query, key: CompactKV, attention_mask, dropout=0.0
         layer.tail_len,
         scale,
         max_seqlen=layer.max_seqlen,
-        backend=_backend(),
+        backend="auto",  # or $KVPRESS_CRITICAL_RAGGED_ATTENTION_BACKEND
     )
     return out, None
 
@@ -120,7 +115,7 @@ def masked_attention(module, query, key, value, masked_key_indices, scaling=None
         q_len,
         scale,
         max_seqlen=int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0,
-        backend=_backend(),
+        backend="auto",  # or $KVPRESS_CRITICAL_RAGGED_ATTENTION_BACKEND
     )
 
 

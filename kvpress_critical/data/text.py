@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import functools
-import platform
 import random
 import re
 
@@ -28,11 +27,6 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"(])")
 _ABBREVIATIONS = ("e.g.", "i.e.", "etc.", "cf.", "vs.", "Mr.", "Dr.", "No.")
 _HEADING_RULE = re.compile(r"^[*=\-~^]{3,}\s*$")
 _WORD = re.compile(r"[A-Za-z]{2,}")
-
-
-def source_version() -> str:
-    """The Python version the text comes from (the topics change slightly between releases)."""
-    return platform.python_version()
 
 
 def _paragraphs(text: str) -> list[str]:

@@ -251,6 +251,11 @@ def _register_fakes() -> None:
     def _head_projected_norm_out_fake(values, head_proj, norm, *, out):
         return None
 
+    @torch.library.register_fake("kvpress_critical::ragged_attention")
+    def _ragged_attention_fake(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len, scale):
+        bsz, heads, q_len, head_dim = query.shape
+        return query.new_empty((bsz, q_len, heads, head_dim))  # (B, q, H, d), the query's dtype
+
 
 def _find_or_build() -> tuple[Path | None, bool, str | None]:
     """``(library, cuda, reason)``: the library to load (building it when allowed), or why there is none."""

@@ -68,18 +68,19 @@ class OpRegistry:
         Name of the op, for messages.
     auto_order : dict
         Device type -> backend names in order of preference (names not registered are skipped).
-    env_var : str
-        Environment variable that replaces ``"auto"`` when set.
+    legacy_env_var : str, optional
+        An earlier name of the op's environment variable, still honoured (with one warning).
     input_order : callable, optional
         ``(device_type, *inputs) -> tuple of names or None``: a preference order for these inputs (for example,
         another backend is faster for multi-token queries); None keeps ``auto_order``. Skipping a backend this way
         is a preference, not a fallback: no warning.
     """
 
-    def __init__(self, op: str, auto_order: dict[str, tuple[str, ...]], env_var: str, input_order=None):
+    def __init__(self, op: str, auto_order: dict[str, tuple[str, ...]], input_order=None, legacy_env_var=None):
         self.op = op
         self.auto_order = auto_order
-        self.env_var = env_var
+        self.env_var = f"KVPRESS_CRITICAL_{op.upper()}_BACKEND"  # one scheme for every op
+        self.legacy_env_var = legacy_env_var
         self.input_order = input_order
         self.backends: dict[str, Backend] = {}
         self.warned: set[tuple[str, str]] = set()
@@ -120,7 +121,7 @@ class OpRegistry:
         ``"auto"`` (or ``$env_var``) walks the preference order; an explicit name that cannot run is an error.
         """
         if backend == "auto":
-            backend = os.environ.get(self.env_var, "auto")
+            backend = self.environment_choice()
         if backend != "auto":
             self.check_name(backend)
             chosen = self.backends[backend]
@@ -153,6 +154,16 @@ class OpRegistry:
                 return name
             skipped.append((name, reason))
         return "torch"
+
+    def environment_choice(self) -> str:
+        """The backend ``$<env_var>`` names (``"auto"`` when unset); the legacy name counts too, with one warning."""
+        choice = os.environ.get(self.env_var)
+        if choice is None and self.legacy_env_var and self.legacy_env_var in os.environ:
+            choice = os.environ[self.legacy_env_var]
+            if ("env", self.legacy_env_var) not in self.warned:
+                self.warned.add(("env", self.legacy_env_var))
+                logger.warning("$%s is now $%s (the old name still works)", self.legacy_env_var, self.env_var)
+        return choice or "auto"
 
     def __getitem__(self, name: str) -> Backend:
         return self.backends[name]

@@ -101,7 +101,7 @@ def projected_norm_usage(
     l1: bool = True,
 ) -> ResourceUsage:
     """Resource usage of the projected-norm kernel for one tile configuration (fp32 accumulators)."""
-    from kvpress_critical.ops.projected_norm.triton_kernel import _head_projected_norm
+    from kvpress_critical.ops.projected_value_norm.triton_kernel import _head_projected_norm
 
     operand = _TL_NAMES[compute_dtype]
     signature = {"values_ptr": f"*{operand}", "proj_ptr": f"*{operand}", "out_ptr": "*fp32"}
@@ -123,7 +123,7 @@ def projected_norm_usage(
 
 def launcher_usage(arch: int, operand_dtype, head_dim: int, norm: str = "l1") -> tuple:
     """``(TileConfig, ResourceUsage)`` of the configuration the launcher picks on ``sm_<arch>`` for these operands."""
-    from kvpress_critical.ops.projected_norm.triton_backend import block_d, gpu_tile_config
+    from kvpress_critical.ops.projected_value_norm.triton_backend import block_d, gpu_tile_config
 
     sixteen_bit = operand_dtype != tl.float32
     cfg = gpu_tile_config((arch // 10, arch % 10), sixteen_bit, head_dim)

@@ -5,8 +5,7 @@ import logging
 from kvpress import ExpectedAttentionPress
 
 from kvpress_critical.capabilities import critical_inner_refusal
-from kvpress_critical.ops import NORMS
-from kvpress_critical.ops.projected_norm import check_backend_name
+from kvpress_critical.ops import NORMS, PROJECTED_VALUE_NORM
 
 logger = logging.getLogger(__name__)
 
@@ -44,4 +43,4 @@ def check_common(press, owner: str, epsilon, first_stage_ratio, norm, backend) -
     check_fraction(first_stage_ratio, "first_stage_ratio")
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-    check_backend_name(backend)
+    PROJECTED_VALUE_NORM.check_name(backend)

@@ -6,8 +6,7 @@ from kvpress import BasePress
 
 from kvpress_critical.capabilities import Capabilities
 from kvpress_critical.modeling import check_attention_supports_masking
-from kvpress_critical.ops import NORMS
-from kvpress_critical.ops.projected_norm import check_backend_name
+from kvpress_critical.ops import NORMS, PROJECTED_VALUE_NORM
 from kvpress_critical.presses.checks import check_fraction, check_ratio
 from kvpress_critical.presses.layer_input import LayerInput
 from kvpress_critical.presses.masking import set_masked_key_indices
@@ -76,7 +75,7 @@ class DefensiveKVPress(BasePress):
         check_fraction(self.mass, "mass")
         if self.norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
-        check_backend_name(self.backend)
+        PROJECTED_VALUE_NORM.check_name(self.backend)
 
     def post_init_from_model(self, model):
         check_attention_supports_masking(model.config, type(self).__name__)

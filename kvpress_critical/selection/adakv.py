@@ -43,7 +43,7 @@ def critical_adakv_keep_mask(
     epsilon: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """
-    CriticalKV inside AdaKV budgets (SPEC section 1, "With AdaKV").
+    CriticalKV inside AdaKV budgets (arXiv 2502.03805, section 3.3, with AdaKV's budgets, arXiv 2407.11550).
 
     Per batch row and KV head with budget ``b_h`` (:func:`adaptive_head_budgets`): stage 1 keeps the top
     ``max(n_safe, floor(first_stage_ratio * b_h))`` entries by base score, stage 2 fills the head up to

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpress_critical.ops import projected_value_norm
+from kvpress_critical.ops.projected_value_norm import projected_value_norm
 from kvpress_critical.selection import (
     critical_scores,
     first_stage_budget,

@@ -9,7 +9,7 @@ segment's context entries plus the tail up to themselves (causal), with GQA insi
 (h + 1) * G - 1`` read KV head ``h``; nothing is repeated), softmax in float32.
 
 Backends (:data:`RAGGED_ATTENTION`; ``auto`` order CPU ``cpp`` > ``torch``, CUDA ``flash`` > ``triton`` > ``torch``;
-``$KVPRESS_CRITICAL_ATTENTION_BACKEND`` replaces ``auto``): ``torch`` (portable), ``cpp`` (the C++ extension,
+``$KVPRESS_CRITICAL_RAGGED_ATTENTION_BACKEND`` replaces ``auto``): ``torch`` (portable), ``cpp`` (the C++ extension,
 parallel over segments and chunks of them), ``triton`` (CUDA; the interpreter on CPU tensors for tests) and
 ``flash`` (flash-attn's ``flash_attn_varlen_func`` on the packed context and ``flash_attn_func`` on the tail, merged
 by log-sum-exp; fp16 / bf16, when the package ``flash-attn`` is installed).
@@ -51,7 +51,7 @@ def _input_order(device_type: str, query=None, *_) -> tuple[str, ...] | None:
 
 
 RAGGED_ATTENTION = OpRegistry(
-    "ragged_attention", AUTO_ORDER, env_var="KVPRESS_CRITICAL_ATTENTION_BACKEND", input_order=_input_order
+    "ragged_attention", AUTO_ORDER, input_order=_input_order, legacy_env_var="KVPRESS_CRITICAL_ATTENTION_BACKEND"
 )
 
 

@@ -4,7 +4,7 @@ L1: for each query head ``h`` and each tile of tokens, ``|V_tile @ W_O^h|`` is r
 float32, so no more than one ``(B, T_tile, D)`` tile of ``V W_O`` ever exists and ``V`` is never copied
 with ``repeat_kv`` (query head ``h`` reads KV head ``h // group`` directly).
 
-L2: ``||v W_O^h||_2^2 = v G_h v^T`` with the Gram matrix ``G_h = W_O^h (W_O^h)^T`` (SPEC section 2).
+L2: ``||v W_O^h||_2^2 = v G_h v^T`` with the Gram matrix ``G_h = W_O^h (W_O^h)^T`` (docs/kernels.md).
 We cache a factor ``R_h = diag(sqrt(lambda)) Q^T`` of the float64 eigendecomposition ``G_h = Q diag(lambda) Q^T``
 (so ``R_h^T R_h = G_h``), and the exact L2 norm is ``||v R_h^T||_2``: ``2 T H d^2`` FLOPs instead of
 ``2 T H d D``, and no cancellation as in evaluating ``v G v^T`` directly.

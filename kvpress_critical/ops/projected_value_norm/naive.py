@@ -14,7 +14,7 @@ def projected_value_norm_ref(
     norm: str = "l1",
 ) -> torch.Tensor:
     """
-    Reference projected-value norm (SPEC section 1), materialising ``P = V W_O^h`` for every query head.
+    Reference projected-value norm (arXiv 2502.03805, section 3), materialising ``P = V W_O^h`` for every query head.
 
     Parameters
     ----------
@@ -80,7 +80,7 @@ def projected_value_norm_error_bound(
 
     ``unit_roundoff``: :data:`UNIT_ROUNDOFF` ``["ieee"]`` (round to nearest) or ``["tensor_core"]``.
     """
-    from kvpress_critical.ops.projected_norm.torch_backend import gram_factors
+    from kvpress_critical.ops.projected_value_norm.torch_backend import gram_factors
 
     bsz, num_kv_heads, k_len, head_dim = values.shape
     hidden = o_proj_weight.shape[0]

@@ -6,7 +6,7 @@ registering, through ``torch.library``:
 - ``kvpress_critical::head_projected_norm(Tensor values, Tensor head_proj, str norm) -> Tensor`` and its
   ``.out`` overload (writes into ``out``, returns nothing): the mean over each KV head's query group of
   ``||values @ head_proj[h].T||_p``, with ``head_proj`` of shape ``(H, N, d)``
-  (:func:`~kvpress_critical.ops.projected_norm.torch_backend.head_projections`);
+  (:func:`~kvpress_critical.ops.projected_value_norm.torch_backend.head_projections`);
 - ``kvpress_critical::projected_value_norm(Tensor values, Tensor o_proj_weight, int num_attention_heads,
   str norm='l1') -> Tensor``: the same through a view of the ``o_proj`` weight (L2 is then exact but ``D``-wide;
   this backend uses the cached Gram factors instead).
@@ -22,7 +22,7 @@ implementations are registered so the operators trace under ``torch.compile``.
 import torch
 
 from kvpress_critical.ops.extension import extension_state
-from kvpress_critical.ops.projected_norm.torch_backend import head_projections
+from kvpress_critical.ops.projected_value_norm.torch_backend import head_projections
 
 
 def projected_value_norm_cpp(

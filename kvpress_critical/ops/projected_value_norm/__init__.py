@@ -5,20 +5,20 @@ within), :mod:`.torch_backend` (plain PyTorch, any device), :mod:`.cpp_backend` 
 :mod:`.cuda_backend` (its CUDA kernels), :mod:`.triton_backend` with :mod:`.triton_kernel` (Triton), and this
 dispatch.
 
-Backends live in :data:`PROJECTED_NORM` (an :class:`~kvpress_critical.ops.registry.OpRegistry`) and are picked by
+Backends live in :data:`PROJECTED_VALUE_NORM` (an :class:`~kvpress_critical.ops.registry.OpRegistry`) and are picked by
 :func:`projected_value_norm`: explicitly by name (an unavailable backend is an error that says how to get it), or
 ``"auto"``: the first available backend in :data:`AUTO_ORDER` for the tensor's device, with one warning when a
-preferred backend is missing. ``$KVPRESS_CRITICAL_BACKEND`` replaces ``"auto"``.
+preferred backend is missing. ``$KVPRESS_CRITICAL_PROJECTED_VALUE_NORM_BACKEND`` replaces ``"auto"``.
 """
 
 import torch
 
 from kvpress_critical.ops.extension import cpp_availability, cuda_availability
-from kvpress_critical.ops.projected_norm.cpp_backend import projected_value_norm_cpp
-from kvpress_critical.ops.projected_norm.cuda_backend import projected_value_norm_cuda
-from kvpress_critical.ops.projected_norm.naive import projected_value_norm_ref
-from kvpress_critical.ops.projected_norm.torch_backend import projected_value_norm_torch
-from kvpress_critical.ops.registry import Backend, BackendUnavailableError, OpRegistry
+from kvpress_critical.ops.projected_value_norm.cpp_backend import projected_value_norm_cpp
+from kvpress_critical.ops.projected_value_norm.cuda_backend import projected_value_norm_cuda
+from kvpress_critical.ops.projected_value_norm.naive import projected_value_norm_error_bound, projected_value_norm_ref
+from kvpress_critical.ops.projected_value_norm.torch_backend import projected_value_norm_torch
+from kvpress_critical.ops.registry import Backend, OpRegistry
 from kvpress_critical.ops.triton_utils import triton_availability, triton_devices
 
 NORMS = ("l1", "l2")
@@ -33,57 +33,7 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "cpu": ("cpp", "torch"),
 }
 
-PROJECTED_NORM = OpRegistry("projected_value_norm", AUTO_ORDER, env_var="KVPRESS_CRITICAL_BACKEND")
-_BACKENDS = PROJECTED_NORM.backends  # name -> Backend (the registry's own dict)
-_warned = PROJECTED_NORM.warned
-
-__all__ = [
-    "AUTO_ORDER",
-    "NORMS",
-    "PROJECTED_NORM",
-    "Backend",
-    "BackendUnavailableError",
-    "available_backends",
-    "check_backend_name",
-    "projected_value_norm",
-    "projected_value_norm_ref",
-    "register_backend",
-    "registered_backends",
-    "resolve_backend",
-]
-
-
-def register_backend(backend: Backend) -> None:
-    """Register (or replace) a projected-norm backend under ``backend.name``."""
-    PROJECTED_NORM.register(backend)
-
-
-def registered_backends() -> tuple[str, ...]:
-    """Names of all registered projected-norm backends, available here or not."""
-    return PROJECTED_NORM.names()
-
-
-def available_backends(device: str | torch.device | None = None) -> list[str]:
-    """
-    Projected-norm backends usable in this environment.
-
-    Parameters
-    ----------
-    device : str or torch.device, optional
-        Restrict to backends that run on this device type (``"cpu"``, ``"cuda"``).
-    """
-    return PROJECTED_NORM.available(device)
-
-
-def check_backend_name(backend: str) -> None:
-    """Raise if ``backend`` is neither ``"auto"`` nor a usable registered backend."""
-    PROJECTED_NORM.check_name(backend)
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Name of the backend that :func:`projected_value_norm` will run for ``backend`` on ``device``."""
-    return PROJECTED_NORM.resolve(backend, device)
-
+PROJECTED_VALUE_NORM = OpRegistry("projected_value_norm", AUTO_ORDER, legacy_env_var="KVPRESS_CRITICAL_BACKEND")
 
 def _check_inputs(values: torch.Tensor, o_proj_weight: torch.Tensor, num_attention_heads: int, norm: str) -> None:
     if norm not in NORMS:
@@ -123,7 +73,7 @@ def projected_value_norm(
     """
     Norm of the projected values ``||V_i W_O^h||`` averaged over each KV head's query group.
 
-    This is the ``N_i`` of CriticalKV (SPEC section 1): with GQA, the score of a KV head is the mean
+    This is the ``N_i`` of CriticalKV (arXiv 2502.03805, section 3): with GQA, the score of a KV head is the mean
     over the query heads ``h`` of its group of ``||V_i W_O^h||_p``, where
     ``W_O^h = o_proj.weight[:, h*d:(h+1)*d].T``. Accumulated and returned in float32 whatever the
     input dtype; ``V W_O`` is never materialised beyond one bounded tile.
@@ -139,7 +89,7 @@ def projected_value_norm(
     norm : {"l1", "l2"}
         ``"l1"`` (the paper's choice) or ``"l2"`` (exact, through cached Gram factors, ``D/d`` times cheaper).
     backend : str
-        ``"auto"`` or a name from :func:`available_backends`.
+        ``"auto"`` or a name from ``PROJECTED_VALUE_NORM.available()``.
 
     Returns
     -------
@@ -147,24 +97,37 @@ def projected_value_norm(
         ``(B, H_kv, T)`` float32.
     """
     _check_inputs(values, o_proj_weight, num_attention_heads, norm)
-    name = PROJECTED_NORM.resolve(backend, values.device)
-    return PROJECTED_NORM[name].fn(values, o_proj_weight, num_attention_heads, norm)
+    name = PROJECTED_VALUE_NORM.resolve(backend, values.device)
+    return PROJECTED_VALUE_NORM[name].fn(values, o_proj_weight, num_attention_heads, norm)
 
 
-register_backend(
+PROJECTED_VALUE_NORM.register(
     Backend(name="torch", fn=projected_value_norm_torch, devices=("cpu", "cuda"), availability=lambda: None)
 )
 
 
 def projected_value_norm_triton(values, o_proj_weight, num_attention_heads, norm="l1", out=None):
     """The Triton backend (imports triton on first use: :mod:`.triton_backend`)."""
-    from kvpress_critical.ops.projected_norm.triton_backend import projected_value_norm_triton as triton_fn
+    from kvpress_critical.ops.projected_value_norm.triton_backend import projected_value_norm_triton as triton_fn
 
     return triton_fn(values, o_proj_weight, num_attention_heads, norm, out)
 
 
-register_backend(Backend(name="cpp", fn=projected_value_norm_cpp, devices=("cpu",), availability=cpp_availability))
-register_backend(Backend(name="cuda", fn=projected_value_norm_cuda, devices=("cuda",), availability=cuda_availability))
-register_backend(
+PROJECTED_VALUE_NORM.register(
+    Backend(name="cpp", fn=projected_value_norm_cpp, devices=("cpu",), availability=cpp_availability)
+)
+PROJECTED_VALUE_NORM.register(
+    Backend(name="cuda", fn=projected_value_norm_cuda, devices=("cuda",), availability=cuda_availability)
+)
+PROJECTED_VALUE_NORM.register(
     Backend(name="triton", fn=projected_value_norm_triton, devices=triton_devices, availability=triton_availability)
 )
+
+__all__ = [
+    "AUTO_ORDER",
+    "NORMS",
+    "PROJECTED_VALUE_NORM",
+    "projected_value_norm",
+    "projected_value_norm_error_bound",
+    "projected_value_norm_ref",
+]

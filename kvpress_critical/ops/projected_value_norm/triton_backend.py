@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpress_critical.ops.projected_norm.torch_backend import head_projections
-from kvpress_critical.ops.projected_norm.triton_kernel import get_kernel
+from kvpress_critical.ops.projected_value_norm.torch_backend import head_projections
+from kvpress_critical.ops.projected_value_norm.triton_kernel import get_kernel
 from kvpress_critical.ops.triton_utils import interpreter_enabled
 
 

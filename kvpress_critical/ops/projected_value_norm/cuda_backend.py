@@ -8,6 +8,6 @@ It is available when torch is a CUDA build, ``nvcc`` compiled the kernels and a 
 (:func:`kvpress_critical.ops.extension.cuda_availability`).
 """
 
-from kvpress_critical.ops.projected_norm.cpp_backend import projected_value_norm_cpp as projected_value_norm_cuda
+from kvpress_critical.ops.projected_value_norm.cpp_backend import projected_value_norm_cpp as projected_value_norm_cuda
 
 __all__ = ["projected_value_norm_cuda"]
