@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def wheels():
     prepared = ROOT / ".whl"
     if not list(prepared.glob("*.whl")):
-        pytest.fail("no wheel set in .whl/: `make install` prepares it (benchmarks/gpu_wheels.sh); tests download nothing")
+        pytest.fail("no wheel set in .whl/: `make install` prepares it (benchmarks/gpu_wheels.sh)")
     return prepared
 
 
