@@ -5,7 +5,7 @@
 #
 #   benchmarks/gpu_check.sh [results_dir]      results_dir: default outputs/gpu-check
 #   DRY_RUN=1 benchmarks/gpu_check.sh DIR      walk every step on a CPU machine with tiny sizes (tests this script;
-#                                              `make gpu-check-dry-run`, and tests/test_gpu_check.py)
+#                                              `make gpu-check-dry-run`, and tests/benchmarks/test_gpu_check.py)
 #
 # Requirements on the node: an NVIDIA GPU, Python with a CUDA build of torch (and Triton, which comes with it), nvcc
 # for the CUDA kernels (without it the CPU kernels are compiled and the Triton and torch backends still run).
@@ -139,16 +139,15 @@ bench() {  # bench SCRIPT ARGS...: a benchmark writing its tables into the step 
 }
 
 tests() {
-  local files=(tests/test_backends.py tests/test_triton.py tests/test_cpp_extension.py tests/test_projected_norm.py)
-  for f in tests/test_ragged_attention.py tests/test_quantized.py; do [ -f "$f" ] && files+=("$f"); done
+  local files=(tests/ops tests/presses/test_quantized_o_proj.py)
   if kvpress_importable; then
-    for f in tests/test_backends_in_presses.py tests/test_compact_cache.py; do [ -f "$f" ] && files+=("$f"); done
+    files+=(tests/presses/test_backends_in_presses.py tests/cache/test_compact_cache.py)
   else
     echo "kvpress not importable: press-level tests are not run"
   fi
   local select=()
   # dry run: the GPU-marked tests of one file (they skip on CPU); the main suite runs every file on CPU anyway
-  [ "$DRY" = 1 ] && { select=(-m gpu); files=(tests/test_backends.py); }
+  [ "$DRY" = 1 ] && { select=(-m gpu); files=(tests/ops/test_projected_value_norm.py); }
   "$PY" -m pytest -q -rs -p no:cacheprovider "${select[@]}" "${files[@]}" --junitxml="$RESULTS/tests.xml"
 }
 

@@ -5,8 +5,7 @@ Needs torch only, like the op tests themselves, so that they run on a GPU machin
 
 import torch
 
-from kvpress_critical.ops import projected_norm as dispatch
-from kvpress_critical.ops import projected_value_norm_ref
+from kvpress_critical.ops.projected_value_norm import PROJECTED_VALUE_NORM, projected_value_norm_ref
 from kvpress_critical.ops.projected_value_norm.cpp_backend import projected_value_norm_cpp
 from kvpress_critical.ops.projected_value_norm.naive import UNIT_ROUNDOFF, projected_value_norm_error_bound
 from kvpress_critical.ops.projected_value_norm.triton_backend import projected_value_norm_triton
@@ -89,5 +88,13 @@ def run_fused(name, values, weight, heads, norm, out_layout="contiguous"):
 
 
 def usable(name):
-    reason = dispatch._BACKENDS[name].availability()
+    reason = PROJECTED_VALUE_NORM[name].availability()
     return reason is None, reason
+
+
+def small_inputs(dtype=torch.float32, bsz=2, group=3, k_len=11, head_dim=16, hidden=40):
+    """A small (values, weight, heads) case for the C++ operators' checks."""
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(bsz, 2, k_len, head_dim, generator=gen).to(dtype)
+    weight = (torch.randn(hidden, 2 * group * head_dim, generator=gen) / 4).to(dtype)
+    return values, weight, 2 * group

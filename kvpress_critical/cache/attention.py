@@ -16,7 +16,7 @@ holder starts.
 While a chunked prefill runs in kvpress's masking layout (``attention_wrapping(exact_masking=True)``), the wrapper
 also computes multi-token attention over a dense layer whose older entries a head-wise press masked
 (``module.masked_key_indices``) exactly, on the unmasked entries only, instead of kvpress's fake keys (whose weights
-do not always underflow for many queries at once: see ``tests/test_compact_cache.py``); a layer it cannot attend
+do not always underflow for many queries at once: see ``tests/cache/test_compact_cache.py``); a layer it cannot attend
 exactly (sliding window, soft-capping, sinks) is an error.
 
 Eager attention is not a registered function (models call their own ``eager_attention_forward``): it cannot see a

@@ -53,10 +53,10 @@ class ChunkedPrefillPress(InnerPressMixin, BasePress):
     keys are not used for multi-token queries, see :func:`kvpress_critical.cache.attention.masked_attention`).
     Head-wise scoring of an uneven layout uses a padded view whose padding (and already-evicted entries) gets no
     attention in SnapKV's window and the lowest scores. The projected-value norm of an entry is computed once, when
-    its chunk is first compressed (exact, since it depends on the entry's value
-    only: DefensiveKV's normalisation across heads is recomputed from these raw norms; the layer's input carries them,
-:class:`~kvpress_critical.presses.layer_input.LayerInput`). A pruning ``ScorerPress``
-    (SnapKV, Knorm, CriticalKV...) is applied as its scores plus a per-head top-k that keeps the entries in position
+    its chunk is first compressed (exact, since it depends on the entry's value only: DefensiveKV's normalisation
+    across heads is recomputed from these raw norms; the layer's input carries them,
+    :class:`~kvpress_critical.presses.layer_input.LayerInput`). A pruning ``ScorerPress`` (SnapKV, Knorm,
+    CriticalKV...) is applied as its scores plus a per-head top-k that keeps the entries in position
     order (kvpress's ``compress`` keeps them in score order; the selected set is the same up to ties).
 
     How it works: a forward pre-hook on the model's decoder runs a long prefill (an empty cache, more than

@@ -6,8 +6,8 @@ keeps up to ``block_size - 1`` entries more than ``int(N * (1 - ratio))``, since
 computes its keys, values and queries with vLLM's kernels and transformers with its own, so float32 rounding may
 swap near-tied entries (key norms tie more often than attention scores): the test requires at least 99.9 % of the
 kept entries to be the same for every press and prints how many (layer, head) selections are identical (the
-selection functions themselves equal kvpress's presses bitwise on the same tensors: tests/test_scorers.py in the
-main suite).
+selection functions themselves equal kvpress's presses bitwise on the same tensors:
+tests/selection/test_scorers.py in the main suite).
 """
 
 import json

@@ -35,6 +35,7 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
 
 PROJECTED_VALUE_NORM = OpRegistry("projected_value_norm", AUTO_ORDER, legacy_env_var="KVPRESS_CRITICAL_BACKEND")
 
+
 def _check_inputs(values: torch.Tensor, o_proj_weight: torch.Tensor, num_attention_heads: int, norm: str) -> None:
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")

@@ -31,9 +31,9 @@ class TileConfig:
 
 # (compute capability major, 16-bit operands) -> config; head_dim > 128 halves block_n (shared memory).
 # Every GPU entry compiles without register spills (ptxas -v, sm_80 and sm_90, head_dim 64..256): checked by
-# tests/test_triton.py::test_gpu_tiles_do_not_spill without a GPU. fp32 (and mixed) operands use FMA dots, whose
-# operand tiles live in registers: they take the head dimension in slices of 8 (block_k); a whole 128-wide value
-# tile spilled ~10 KB per thread on Hopper.
+# tests/ops/test_projected_value_norm.py::test_gpu_tiles_do_not_spill without a GPU. fp32 (and mixed) operands use
+# FMA dots, whose operand tiles live in registers: they take the head dimension in slices of 8 (block_k); a whole
+# 128-wide value tile spilled ~10 KB per thread on Hopper.
 _GPU_CONFIGS = {
     (9, True): TileConfig(128, 128, 8, 3),  # Hopper: 228 KiB shared memory per SM
     (8, True): TileConfig(64, 128, 4, 3, block_k=64),  # Ampere / Ada (the whole 128-wide tile spilled 112 bytes)

@@ -14,8 +14,8 @@ from torch import nn
 import kvpress_critical
 from kvpress_critical import CriticalAdaKVPress, CriticalKVPress
 from kvpress_critical.modeling import dense_linear_weight, module_projected_norm
-from kvpress_critical.ops import BackendUnavailableError, projected_value_norm_ref
-from kvpress_critical.ops import projected_norm as dispatch
+from kvpress_critical.ops import PROJECTED_VALUE_NORM, Backend, BackendUnavailableError
+from kvpress_critical.ops.projected_value_norm import projected_value_norm_ref
 
 PRESSES = [CriticalKVPress, CriticalAdaKVPress]
 
@@ -108,16 +108,14 @@ def test_expected_attention_with_vnorm_warns(caplog):
 
 
 def test_unavailable_backend_requested_explicitly():
-    saved = dict(dispatch._BACKENDS)
-    dispatch.register_backend(
-        dispatch.Backend("cpp", None, ("cpu",), lambda: "not compiled: run `kvpress-critical-build`")
-    )
+    saved = dict(PROJECTED_VALUE_NORM.backends)
+    PROJECTED_VALUE_NORM.register(Backend("cpp", None, ("cpu",), lambda: "not compiled: run `kvpress-critical-build`"))
     try:
         with pytest.raises(BackendUnavailableError, match="kvpress-critical-build"):
             CriticalKVPress(SnapKVPress(0.5), backend="cpp")
     finally:
-        dispatch._BACKENDS.clear()
-        dispatch._BACKENDS.update(saved)
+        PROJECTED_VALUE_NORM.backends.clear()
+        PROJECTED_VALUE_NORM.backends.update(saved)
 
 
 def test_eager_attention_is_refused_by_the_masking_press():
@@ -225,7 +223,7 @@ def test_the_ops_import_without_kvpress_and_the_presses_say_what_to_install():
         "import sys\n"
         "sys.modules['kvpress'] = None  # as if kvpress were not installed\n"
         "import torch, kvpress_critical\n"
-        "from kvpress_critical.ops import projected_value_norm\n"
+        "from kvpress_critical.ops.projected_value_norm import projected_value_norm\n"
         "assert projected_value_norm(torch.ones(1, 1, 3, 4), torch.ones(5, 8), 2, backend='torch').shape == (1, 1, 3)\n"
         "assert 'kvpress' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
         "try:\n"

@@ -18,7 +18,7 @@ from kvpress_critical.data.quality import QUALITY_TASKS, generate_quality_datase
 from kvpress_critical.data.text import SOURCE, prose_passage, prose_sentences
 from kvpress_critical.likelihood import coarse_kl, target_tokens
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from kvpress_critical import CriticalAdaKVPress, CriticalKVPress
 from kvpress_critical.modeling import dense_linear_weight, module_projected_norm
-from kvpress_critical.ops import projected_value_norm_ref
+from kvpress_critical.ops.projected_value_norm import projected_value_norm_ref
 
 bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is in the dev extra: pip install -e '.[dev]'")
 

@@ -16,8 +16,7 @@ from kvpress_critical.cache.quantize import dequantize_rows, quantization_error_
 from kvpress_critical.conversation import Conversation
 from kvpress_critical.likelihood import target_tokens
 from kvpress_critical.modeling import attention_modules
-from kvpress_critical.ops import ragged_attention
-from kvpress_critical.ops.ragged_attention import random_layout
+from kvpress_critical.ops.ragged_attention import ragged_attention, random_layout
 from kvpress_critical.presses.decoding_compression import decoding_compression
 
 NEEDLES = [

@@ -86,7 +86,7 @@ def test_defensivekv_matches_the_literal_method(family, bsz, recorded_inputs):
         cache = DynamicCache()
         model.model(input_ids=ids, past_key_values=cache)
         for layer, (mask, module) in enumerate(zip(masks, attention_modules(model))):
-            norms = module_projected_norm(module, cache.layers[layer].values, "l1", "auto")
+            norms = module_projected_norm(module, cache.layers[layer].values, "l1", "auto").detach()
             for b in range(bsz):
                 keep, forced = literal_defensive(recorded_inputs[layer][b], norms[b], n_kept)
                 assert torch.equal(mask[b], keep), f"ratio {ratio} layer {layer} row {b}"

@@ -372,3 +372,22 @@ def test_kvpress_fake_key_can_leak_where_the_compact_layout_is_exact(monkeypatch
     assert max(dots) * scale > -5, "kvpress's fake key nullified every masked entry here"  # exp(-2) ~ 0.14 weight
     assert (got[2] - expected[2]).abs().max() > 1e-4  # the row whose masked entries leaked
     torch.testing.assert_close(got[:2], expected[:2], rtol=1e-5, atol=1e-5)  # the others agree
+
+
+def test_a_decoding_step_over_the_compact_cache_runs_under_torch_compile():
+    """torch.compile traces the model over compact layers (graph breaks at the layout's data-dependent checks) and
+    gives the eager step's logits; the kernels themselves trace without a break (tests/ops)."""
+    import copy
+
+    model = tiny_model("llama", num_kv_heads=2, num_heads=8)
+    ids = torch.randint(0, 256, (1, 120), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache()
+    with torch.no_grad(), CompactCachePress(CriticalAdaKVPress(SnapKVPress(0.5)))(model):
+        token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+    assert isinstance(cache.layers[0], CompactLayer)
+    copied = copy.deepcopy(cache)
+    with torch.no_grad():
+        eager = model(token, past_key_values=cache).logits
+        compiled = torch.compile(model, backend="eager")(token, past_key_values=copied).logits
+    torch.testing.assert_close(compiled, eager)
+    assert copied.layers[0].get_seq_length() == cache.layers[0].get_seq_length()

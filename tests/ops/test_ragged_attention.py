@@ -13,9 +13,15 @@ import types
 import pytest
 import torch
 
-from kvpress_critical.ops import RAGGED_ATTENTION, ragged_attention, ragged_attention_ref
 from kvpress_critical.ops.extension import cpp_availability
-from kvpress_critical.ops.ragged_attention import ATTENTION_TOLERANCE, flash_backend, random_layout
+from kvpress_critical.ops.ragged_attention import (
+    ATTENTION_TOLERANCE,
+    RAGGED_ATTENTION,
+    flash_backend,
+    ragged_attention,
+    ragged_attention_ref,
+    random_layout,
+)
 from kvpress_critical.ops.registry import BackendUnavailableError
 
 HAS_CUDA = torch.cuda.is_available()
@@ -91,6 +97,7 @@ def test_auto_prefers_cpp_for_decoding_and_torch_for_chunks_on_cpu(caplog, monke
     if "cpp" not in RAGGED_ATTENTION.available("cpu"):
         pytest.skip(f"the C++ extension is unavailable: {cpp_availability()}")
     monkeypatch.delenv("KVPRESS_CRITICAL_ATTENTION_BACKEND", raising=False)
+    monkeypatch.delenv(RAGGED_ATTENTION.env_var, raising=False)
     decode, _ = make(1, 4, 1, 64, torch.float32)
     chunk, _ = make(1, 4, CPU_MULTI_QUERY, 64, torch.float32)
     with caplog.at_level("WARNING"):
@@ -227,3 +234,46 @@ def test_dispatch():
         if not torch.equal(bad, inputs[3]):
             with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
                 ragged_attention(inputs[0], inputs[1], inputs[2], bad, *inputs[4:], tail_len=tail_len, scale=1.0)
+
+
+# ---- the C++ operator -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ops():
+    reason = cpp_availability()
+    if reason is not None:
+        pytest.skip(reason)
+    return torch.ops.kvpress_critical
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_opcheck(ops, dtype, q_len):
+    """Schema, fake implementation and dispatch of kvpress_critical::ragged_attention (torch.library.opcheck)."""
+    inputs, tail_len = make(3, 4, q_len, 16, dtype)
+    inputs[4], inputs[5] = inputs[4].nan_to_num(), inputs[5].nan_to_num()  # opcheck compares NaN-free results
+    torch.library.opcheck(ops.ragged_attention.default, (*inputs, tail_len, 0.25))
+
+
+def test_fake_tensor_shape(ops):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        query = torch.empty(2, 32, 1, 128, dtype=torch.bfloat16)
+        keys = torch.empty(5000, 128, dtype=torch.bfloat16)
+        tail = torch.empty(2, 8, 16, 128, dtype=torch.bfloat16)
+        cu = torch.zeros(17, dtype=torch.int64)
+        out = ops.ragged_attention(query, keys, keys, cu, tail, tail, 1, 0.1)
+    assert out.shape == (2, 1, 32, 128) and out.dtype == torch.bfloat16
+
+
+def test_traces_under_torch_compile(ops):
+    """The operator inside a compiled graph (fullgraph: no graph break) equals the eager call."""
+    inputs, tail_len = make(3, 4, 1, 16, torch.float32)
+
+    def attend(query, keys, values, cu, tail_keys, tail_values):
+        return ops.ragged_attention(query, keys, values, cu, tail_keys, tail_values, tail_len, 0.25).sum(-1)
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(*inputs), attend(*inputs))

@@ -15,7 +15,7 @@ from evaluation.registry import CRITICAL_BASES, critical_base, register
 from evaluation.sweep import gpu_ids
 from evaluation.worker import is_finished, publish
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_presets_expand_to_the_protocols():

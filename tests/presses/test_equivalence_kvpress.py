@@ -2,7 +2,7 @@
 
 Where several entries have exactly the same base score and only some of them fit in stage 1, kvpress keeps
 whichever torch.topk returns first (device- and size-dependent); ours keeps those with the larger projected
-norm (tests/test_selection.py). The comparisons therefore avoid such ties: distinct token ids (repeated
+norm (tests/selection/test_selection.py). The comparisons therefore avoid such ties: distinct token ids (repeated
 tokens tie Knorm in layer 0) and a SnapKV window no larger than the safeguard budget, so the window (whose
 entries all share one score) always fits in stage 1.
 """
