@@ -17,7 +17,10 @@ sys.path.insert(0, str(ROOT / "csrc"))
 from packaging_hook import kernel_sources_build_py  # noqa: E402
 
 CORE = ["kvpress_critical", "kvpress_critical.selection", "kvpress_critical.ops"]
-CORE += [f"kvpress_critical.ops.{op}" for op in ("projected_norm", "ragged_attention")]
+# every op folder (one per op), as found in the repository
+CORE += sorted(
+    f"kvpress_critical.ops.{p.parent.name}" for p in (ROOT / "kvpress_critical" / "ops").glob("*/__init__.py")
+)
 # of the package root's own modules, only these: the others (presses, pipelines, data, ...) need kvpress
 ROOT_MODULES = {"__init__", "_version"}
 

@@ -14,6 +14,7 @@ from kvpress import BasePress, KnormPress, SnapKVPress, StreamingLLMPress
 from transformers import AutoModelForCausalLM
 
 from kvpress_critical import CriticalKVPress
+from kvpress_critical.presses.layer_input import LayerInput
 from kvpress_critical.selection import top_budget_mask
 
 BASES = {"snapkv": SnapKVPress, "knorm": KnormPress, "streaming_llm": StreamingLLMPress}
@@ -27,7 +28,8 @@ class KeepCapture(BasePress):
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         if isinstance(self.press, CriticalKVPress):
-            mask = self.press.keep_mask(module, hidden_states, keys, values, attentions, kwargs, self.n_kept)
+            layer = LayerInput.from_compress(module, hidden_states, keys, values, attentions, kwargs)
+            mask = self.press.keep_mask(layer, self.n_kept)
         else:  # kvpress's ScorerPress.compress: the top n_kept scores of each head
             scores = self.press.score(module, hidden_states, keys, values, attentions, kwargs)
             mask = top_budget_mask(scores, torch.full(scores.shape[:2], self.n_kept))

@@ -39,7 +39,8 @@ def server(tmp_path_factory):
     ]  # fmt: skip
     with open(log, "w") as out:
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")  # the server's default: engine in its own process
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        # run outside the checkout, so that the installed wheel (not the repository's sources) is what is imported
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log.parent)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while True:
