@@ -5,14 +5,18 @@ For each context length and compression ratio, on the same context:
 - ``no press``: the full cache;
 - ``CriticalKV(SnapKV)``: a pruning press (uniform budgets, kvpress prunes the cache);
 - ``CriticalAdaKV(SnapKV) masking``: head-wise budgets in kvpress's layout (the full cache, masked keys);
-- ``CriticalAdaKV(SnapKV) compact``: the same selection with :class:`~kvpress_critical.CompactCachePress`.
+- ``CriticalAdaKV(SnapKV) compact``: the same selection with :class:`~kvpress_critical.CompactCachePress`;
+- ``CriticalAdaKV(SnapKV) compact int8`` / ``int4`` / ``kivi4`` (``--layouts compact-int8,...``): the same with the
+  kept entries quantized (``CompactCachePress(..., quantize=...)``).
 
 Reported: the prefill time (the press's compression included) and, for the compact layout, the time spent converting
 layers (part of it); the KV bytes held after the prefill (the compact layout's reserved tail room counted); the peak
 memory of the prefill and of decoding (the process's peak resident memory during 8 decoding steps, above what was
 resident before the prefill: the KV cache plus every transient, e.g. the copy of a layer that a growing dense cache
-makes at each step; Linux ``VmHWM``); and milliseconds per decoded token over 64 greedy steps. Configurations run
-one after the other on the same context; ratios measured in the same run.
+makes at each step; Linux ``VmHWM``); the peak memory of one decoding step ("step peak": what torch allocates during
+the step above what it held before it, with one thread on CPU: the temporaries of a step, such as a dequantized copy
+of a layer); and milliseconds per decoded token over 64 greedy steps. Configurations run one after the other on the
+same context; ratios measured in the same run.
 
     python benchmarks/bench_compact_cache.py                                   # SmolLM2, CPU, fp32: 4K, 8K, 16K
     python benchmarks/bench_compact_cache.py --tokens 4096 --ratios 0.5 --decode-steps 16
@@ -40,6 +44,7 @@ from common import (  # noqa: E402
     peak_extra_bytes,
     result_header,
     return_freed_memory_to_the_os,
+    single_thread,
     synchronize,
     write_results,
 )
@@ -154,17 +159,27 @@ def crop(cache, length_per_layer: list[int]) -> None:
 
 
 LAYOUTS = ("pruning", "masking", "compact")
+QUANTIZED = ("compact-int8", "compact-int4", "compact-kivi4")
 
 
 def presses(ratio: float, layouts=LAYOUTS) -> dict:
     from kvpress import SnapKVPress
 
     every = {
-        "CriticalKV(SnapKV) pruning": lambda: CriticalKVPress(SnapKVPress(ratio)),
-        "CriticalAdaKV(SnapKV) masking": lambda: CriticalAdaKVPress(SnapKVPress(ratio)),
-        "CriticalAdaKV(SnapKV) compact": lambda: CompactCachePress(CriticalAdaKVPress(SnapKVPress(ratio))),
+        "pruning": ("CriticalKV(SnapKV) pruning", lambda: CriticalKVPress(SnapKVPress(ratio))),
+        "masking": ("CriticalAdaKV(SnapKV) masking", lambda: CriticalAdaKVPress(SnapKVPress(ratio))),
+        "compact": ("CriticalAdaKV(SnapKV) compact", lambda: CompactCachePress(CriticalAdaKVPress(SnapKVPress(ratio)))),
     }
-    return {name: make() for name, make in every.items() if name.rsplit(" ", 1)[1] in layouts}
+    for layout in QUANTIZED:
+        fmt_ = layout.split("-")[1]
+        every[layout] = (
+            f"CriticalAdaKV(SnapKV) compact {fmt_}",
+            lambda q=fmt_: CompactCachePress(CriticalAdaKVPress(SnapKVPress(ratio)), quantize=q),
+        )
+    unknown = sorted(set(layouts) - set(every))
+    if unknown:
+        raise ValueError(f"--layouts: unknown {unknown}; choose from {list(every)}")
+    return {every[layout][0]: every[layout][1]() for layout in layouts}
 
 
 def measure(model, ids, name, press, args, device) -> dict:
@@ -183,6 +198,9 @@ def measure(model, ids, name, press, args, device) -> dict:
         peak = None if decode_memory.extra is None else decode_memory.base + decode_memory.extra - base
         prefill_peak = prefill_memory.extra
     crop(cache, lengths)  # back to the state after the prefill
+    with single_thread():  # one decoding step's own allocations (one thread: the profiler sees them all on CPU)
+        step_peak = peak_extra_bytes(lambda: decode(model, cache, ids.shape[1], 1, device), device)
+    crop(cache, lengths)
     times = decode(model, cache, ids.shape[1], args.decode_steps, device)
     steady = times[1:] if len(times) > 1 else times
     for module in model.model.layers:
@@ -197,6 +215,7 @@ def measure(model, ids, name, press, args, device) -> dict:
         kv_mib=mib(held),
         peak_prefill_mib=mib(prefill_peak),
         peak_decode_mib=mib(peak),
+        step_peak_mib=mib(step_peak),
         ms_per_token=round(1e3 * statistics.mean(steady), 2),
         ms_per_token_median=round(1e3 * statistics.median(steady), 2),
     )
@@ -210,6 +229,7 @@ def render(rows: list[dict]) -> str:
         "KV MiB (x full)",
         "peak prefill MiB",
         "peak decoding MiB",
+        "step peak MiB",
         "ms / token (x pruning)",
         "prefill s (x masking)",
         "conversion ms (% of prefill)",
@@ -224,6 +244,7 @@ def render(rows: list[dict]) -> str:
                 f"{fmt(r['kv_mib'], 1)} ({fmt(r['kv_x_full'])})",
                 fmt(r["peak_prefill_mib"], 0),
                 fmt(r["peak_decode_mib"], 1),
+                fmt(r.get("step_peak_mib", float("nan")), 2),
                 f"{fmt(r['ms_per_token'], 1)} ({fmt(r['x_pruning'])})",
                 f"{fmt(r['prefill_s'], 2)} ({fmt(r['x_masking_prefill'])})",
                 f"{fmt(r['convert_ms'], 1)} ({fmt(r['convert_pct'], 2)}%)" if r["convert_ms"] else "–",
@@ -239,7 +260,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default="4096,8192,16384")
     parser.add_argument("--ratios", default="0.5,0.75,0.9")
     parser.add_argument("--decode-steps", type=int, default=64)
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="of CriticalKV: pruning, masking, compact")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of CriticalKV: {', '.join(LAYOUTS + QUANTIZED)}")
     parser.add_argument("--repeats", type=int, default=1, help="(accepted for gpu_check.sh; one pass per config)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (gpu_check dry run)")
     args = parse_arguments(parser, argv)

@@ -6,8 +6,13 @@ rescaled to the average, the longest about 3x the shortest), against ``scaled_do
 ``repeat_kv``) over a dense cache with the same number of entries in total (every head at the average length): the
 cost a pruning press with the same budget would pay. Methods run interleaved round-robin on the same inputs, with a
 streaming read of as many bytes as the compact layout's keys and values (``torch.sum`` over float32): the bandwidth
-limit of a kernel that reads K and V once, measured in the same run. "% of read bandwidth" is that read's median time
-over the method's median (100 %: the method runs at the machine's read bandwidth).
+limit of a kernel that reads K and V once, measured in the same run. "% of read bandwidth" is the method's rate over
+the bytes it reads (its median time) against that read's rate (100 %: the method runs at the machine's read
+bandwidth). The same entries stored as codes (``CompactCachePress(quantize=...)``'s formats: ``int8``, ``int4``,
+``kivi4``; ``kvpress_critical.ops.ragged_attention.codes``) are read by every backend that takes them (``cpp``,
+``torch``, ``triton``), their bytes counted as codes plus scales (and zeros, groups); on CPU, "layer dequantized
+first" is the path that dequantizes the layer into a float copy and attends to it (what a step did before the kernels
+read codes). "x compact float" compares each method with the fastest float ragged method of its row group.
 
     python benchmarks/bench_ragged_attention.py                  # CPU: cpp and torch backends, fp32 and bf16
     python benchmarks/bench_ragged_attention.py --device cuda    # GPU: triton, flash when installed, bf16
@@ -34,6 +39,7 @@ from common import (  # noqa: E402
 )
 
 from kvpress_critical.ops.ragged_attention import RAGGED_ATTENTION, ragged_attention  # noqa: E402
+from kvpress_critical.ops.ragged_attention.codes import FORMATS, quantize_entries  # noqa: E402
 
 logger = logging.getLogger("bench_ragged_attention")
 
@@ -70,19 +76,36 @@ def run_case(average: int, dtype: torch.dtype, args, device: torch.device) -> li
     bytes_read = 2 * n * d * keys.element_size()
     stream = torch.ones(bytes_read // 4, dtype=torch.float32, device=device)  # the machine's limit, same bytes
     fns = {READ: lambda: stream.sum(), "sdpa (dense, same entries)": dense}
-    for name in RAGGED_ATTENTION.available(device):
-        if RAGGED_ATTENTION[name].refusal(query, keys) is None:
-            fns[f"ragged {name}"] = lambda b=name: ragged_attention(
-                query, keys, values, cu, tail, tail, 1, scale, max_seqlen=max(lengths), backend=b
+    method_bytes = {READ: bytes_read, "sdpa (dense, same entries)": bytes_read}
+    entries = {"": (keys, values)}
+    for name, (key_spec, value_spec) in FORMATS.items():
+        entries[f" {name}"] = (quantize_entries(keys, key_spec, cu), quantize_entries(values, value_spec, cu))
+    for suffix, (k, v) in entries.items():
+        for name in RAGGED_ATTENTION.available(device):
+            if RAGGED_ATTENTION[name].refusal(query, k) is None:
+                fns[f"ragged {name}{suffix}"] = lambda b=name, k=k, v=v: ragged_attention(
+                    query, k, v, cu, tail, tail, 1, scale, max_seqlen=max(lengths), backend=b
+                )
+                method_bytes[f"ragged {name}{suffix}"] = bytes_read if not suffix else k.nbytes + v.nbytes
+    if device.type == "cpu" and "cpp" in RAGGED_ATTENTION.available(device):  # the path before in-kernel codes
+        for bits in (8, 4):
+            k, v = entries[f" int{bits}"]
+            fns[f"ragged cpp int{bits}, layer dequantized first"] = lambda k=k, v=v: ragged_attention(
+                query, k.dequantize(dtype), v.dequantize(dtype), cu, tail, tail, 1, scale, backend="cpp"
             )
+            method_bytes[f"ragged cpp int{bits}, layer dequantized first"] = k.nbytes + v.nbytes
     if args.quick:
         fns = {k: v for k, v in fns.items() if "torch" not in k}
     times = time_interleaved(fns, args.repeats, device)
     base = summary(times["sdpa (dense, same entries)"])[0]
     read = summary(times[READ])[1]  # medians: a single fast read (a quiet moment) would set the limit too high
+    read_rate = bytes_read / read
+    floats = [summary(times[f"ragged {name}"])[0] for name in RAGGED_ATTENTION.names() if f"ragged {name}" in times]
+    compact = min(floats) if floats else float("nan")
     rows = []
     for name, samples in times.items():
         best, median = summary(samples)
+        moved = method_bytes[name]
         rows.append(
             dict(
                 average_entries=average,
@@ -93,8 +116,10 @@ def run_case(average: int, dtype: torch.dtype, args, device: torch.device) -> li
                 best_ms=round(best * 1e3, 4),
                 median_ms=round(median * 1e3, 4),
                 x_sdpa=round(best / base, 3),
-                gb_per_s=round(bytes_read / best / 1e9, 1),
-                pct_read_bandwidth=round(100 * read / median, 1),  # the streaming read's median time over this method's
+                x_compact_float=round(best / compact, 3),
+                mib_read=round(moved / 2**20, 1),
+                gb_per_s=round(moved / best / 1e9, 1),
+                pct_read_bandwidth=round(100 * moved / median / read_rate, 1),  # rates over the bytes each reads
             )
         )
         logger.info(
@@ -110,7 +135,9 @@ def render(rows: list[dict]) -> str:
         "method",
         "best ms",
         "x dense sdpa",
-        "K+V GB/s",
+        "x compact float",
+        "MiB read",
+        "GB/s",
         "% of read bandwidth",
     ]
     body = [
@@ -120,6 +147,8 @@ def render(rows: list[dict]) -> str:
             r["method"],
             fmt(r["best_ms"], 3),
             fmt(r["x_sdpa"]),
+            fmt(r["x_compact_float"]),
+            fmt(r["mib_read"], 1),
             fmt(r["gb_per_s"], 1),
             fmt(r["pct_read_bandwidth"], 0),
         ]

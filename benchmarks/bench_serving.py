@@ -21,7 +21,10 @@ Three parts (``--parts``, default all three):
   every ``--interval`` steps: the KV bytes and milliseconds per token over the generation, every 256 tokens.
 - ``quantized``: one ``--quantized-tokens`` context (4096), 64 generated tokens: the full cache, transformers'
   ``QuantizedCache`` (quanto, int4, full length), and ``CompactCachePress(CriticalAdaKV(SnapKV(0.5)))`` with float32,
-  int8 and int4 entries: KV bytes, milliseconds per token and the greedy tokens shared with the full cache.
+  int8, int4 and kivi4 entries, run round-robin ``--quantized-repeats`` times (the median of the per-run
+  milliseconds per token): KV bytes, milliseconds per token, the greedy tokens shared with the full cache, and the
+  peak memory of one decoding step (torch's allocations during the step above those before it, one thread: the
+  temporaries a step makes, such as a dequantized copy of a layer).
 
     python benchmarks/bench_serving.py                                        # SmolLM2, CPU, fp32, all parts
     python benchmarks/bench_serving.py --parts decoding,quantized
@@ -48,8 +51,10 @@ from common import (  # noqa: E402
     markdown_table,
     output_stem,
     parse_arguments,
+    peak_extra_bytes,
     result_header,
     return_freed_memory_to_the_os,
+    single_thread,
     write_results,
 )
 
@@ -308,29 +313,41 @@ def part_quantized(model, tokenizer, args, write) -> list[dict]:
         "compact float32": (lambda: CompactCachePress(CriticalAdaKVPress(SnapKVPress(0.5))), None),
         "compact int8": (lambda: CompactCachePress(CriticalAdaKVPress(SnapKVPress(0.5)), quantize="int8"), None),
         "compact int4": (lambda: CompactCachePress(CriticalAdaKVPress(SnapKVPress(0.5)), quantize="int4"), None),
+        "compact kivi4": (lambda: CompactCachePress(CriticalAdaKVPress(SnapKVPress(0.5)), quantize="kivi4"), None),
     }
-    rows, reference, compact = [], None, None
-    for name, (make, cache) in tqdm(configs.items(), desc="quantized", file=sys.stderr):
-        result = run_generate(
-            model, ids, mask, make() if make else None, 64, cache=cache() if cache else None, desc=name
-        )
+    rows, reference, compact = {}, None, None
+    runs = [(r, name) for r in range(args.quantized_repeats) for name in configs]  # round-robin: interleaved
+    for repeat, name in tqdm(runs, desc="quantized", file=sys.stderr):
+        make, make_cache = configs[name]
+        cache = make_cache() if make_cache else DynamicCache()
+        result = run_generate(model, ids, mask, make() if make else None, 64, cache=cache, desc=name)
+        if repeat:
+            rows[name]["_ms"].append(result["ms_per_step"])
+            rows[name]["ms_per_token"] = round(statistics.median(rows[name]["_ms"]), 1)
+            continue
         tokens = result["_tokens"][0]
         reference = tokens if reference is None else reference
         compact = tokens if name == "compact float32" else compact
         same = lambda other: None if other is None else round(float((tokens == other).float().mean()), 3)  # noqa
-        rows.append(
-            dict(
-                part="quantized",
-                press=name,
-                kv_prefill_mib=result["kv_prefill_mib"],
-                ms_per_token=result["ms_per_step"],
-                prefill_s=result["prefill_s"],
-                same_tokens_as_full=same(reference),
-                same_tokens_as_compact_fp32=same(compact) if "compact" in name else None,
-            )
+        step = lambda: model(input_ids=tokens[-1:].view(1, 1), past_key_values=cache)  # noqa: E731
+        with torch.no_grad(), single_thread():
+            step_peak = peak_extra_bytes(step, torch.device("cpu"))
+        rows[name] = dict(
+            part="quantized",
+            press=name,
+            kv_prefill_mib=result["kv_prefill_mib"],
+            ms_per_token=result["ms_per_step"],
+            prefill_s=result["prefill_s"],
+            step_peak_mib=round(step_peak / 2**20, 2),
+            same_tokens_as_full=same(reference),
+            same_tokens_as_compact_fp32=same(compact) if "compact" in name else None,
+            _ms=[result["ms_per_step"]],
         )
-        logger.info("quantized %s: %s", name, rows[-1])
-        write(rows)
+        logger.info("quantized %s: %s", name, rows[name])
+        write([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows.values()])
+    rows = list(rows.values())
+    for row in rows:
+        row.pop("_ms")
     for row in rows:
         row["x_full_kv"] = round(row["kv_prefill_mib"] / rows[0]["kv_prefill_mib"], 3)
     return rows
@@ -417,16 +434,19 @@ def render(rows: list[dict]) -> str:
         header = [
             "cache",
             "KV MiB after prefill (x full)",
-            "ms / token",
+            "ms / token (x compact float32)",
+            "step peak MiB",
             "prefill s",
             "greedy tokens = full cache",
             "= compact float32",
         ]  # noqa
+        compact_ms = next((r["ms_per_token"] for r in quantized if r["press"] == "compact float32"), float("nan"))
         body = [
             [
                 r["press"],
                 f"{fmt(r['kv_prefill_mib'], 1)} ({fmt(r.get('x_full_kv', float('nan')), 3)})",
-                fmt(r["ms_per_token"], 1),
+                f"{fmt(r['ms_per_token'], 1)} ({fmt(r['ms_per_token'] / compact_ms)})",
+                fmt(_num(r.get("step_peak_mib")), 2),
                 fmt(r["prefill_s"], 1),
                 fmt(_num(r["same_tokens_as_full"])),
                 fmt(_num(r["same_tokens_as_compact_fp32"])),
@@ -453,6 +473,7 @@ def main(argv=None) -> int:
     parser.add_argument("--target-size", type=int, default=512, help="entries per head kept while decoding")
     parser.add_argument("--interval", type=int, default=64, help="decoding steps between compressions")
     parser.add_argument("--quantized-tokens", type=int, default=4096, help="context of the quantized part")
+    parser.add_argument("--quantized-repeats", type=int, default=3, help="round-robin runs of the quantized part")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (the logic, not the numbers)")
     args = parse_arguments(parser, argv)
     parts = args.parts.split(",")
@@ -466,12 +487,13 @@ def main(argv=None) -> int:
     if args.quick:
         args.lengths, args.new_tokens, args.ratios = "64,96,160", 8, "0.5"
         args.prompt_tokens, args.long_tokens, args.target_size, args.interval = 32, 300, 64, 16
-        args.quantized_tokens = 256
+        args.quantized_tokens, args.quantized_repeats = 256, 1
     precise = return_freed_memory_to_the_os()
     from kvpress_critical.default_model import load_default_model
 
     model, tokenizer = load_default_model()
-    stem = output_stem(args, "serving")
+    # a subset of the parts gets its own files (serving_quantized_cpu.md...), not a numbered copy of the whole table
+    stem = output_stem(args, "serving" if set(parts) == set(PARTS) else "serving_" + "_".join(parts))
     header = result_header(
         "Serving: padded batches, a fixed KV budget, decoding compression, quantized entries",
         args.device,

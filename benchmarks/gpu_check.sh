@@ -182,7 +182,8 @@ step bench_llama_fp32 45 bench bench_projected_norm.py --no-cpu-peak --models $L
 step bench_other_shapes 40 bench bench_projected_norm.py --no-cpu-peak $REST --dtypes bfloat16 --repeats "$REP" --memory-max-tokens 0
 step bench_ragged_attention 40 bench bench_ragged_attention.py --repeats "$REP" $QUICK
 if kvpress_importable; then
-  step bench_compact_cache 45 bench bench_compact_cache.py --model "$COMPACT_MODEL" --repeats "$REP" $QUICK
+  step bench_compact_cache 45 bench bench_compact_cache.py --model "$COMPACT_MODEL" --repeats "$REP" $QUICK \
+  --layouts pruning,masking,compact,compact-int8,compact-int4,compact-kivi4
 else
   echo "kvpress not importable: the end-to-end compact-cache benchmark is skipped"
 fi

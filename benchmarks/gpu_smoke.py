@@ -29,6 +29,7 @@ from kvpress_critical.ops.projected_value_norm.naive import UNIT_ROUNDOFF, proje
 from kvpress_critical.ops.ragged_attention import (
     ATTENTION_TOLERANCE,
     RAGGED_ATTENTION,
+    QuantizedEntries,
     ragged_attention,
     ragged_attention_ref,
     random_layout,
@@ -93,30 +94,42 @@ def attention_cases(device: torch.device, tokens: int) -> list[dict]:
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for q_len in (1, 7):
             lengths = [tokens, 0, 1, tokens // 3, 2 * tokens, 17]  # batch 3 x 2 KV heads, very unequal
-            inputs = random_layout(3, 2, 4, q_len, 128, lengths, tail_len=q_len + 5, capacity=q_len + 9, dtype=dtype)
-            ref = ragged_attention_ref(*inputs, tail_len=q_len + 5, scale=128**-0.5).double()
-            for name in names:
-                backend = RAGGED_ATTENTION[name]
-                if backend.refusal(inputs[0], inputs[1]) is not None:
-                    continue
-                moved = [t.to(device) for t in inputs]
-                start = time.perf_counter()
-                out = ragged_attention(*moved, tail_len=q_len + 5, scale=128**-0.5, backend=name)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                error = float((out.cpu().double() - ref).abs().max())
-                tol = ATTENTION_TOLERANCE[dtype]
-                rows.append(
-                    dict(
-                        op="ragged_attention",
-                        backend=name,
-                        dtype=str(dtype).replace("torch.", ""),
-                        q_len=q_len,
-                        max_abs_error=error,
-                        ok=bool(error <= tol[1] + tol[0] * float(ref.abs().max()) and not torch.isnan(out).any()),
-                        seconds=round(time.perf_counter() - start, 4),
-                    )
-                )
+            layout = random_layout(3, 2, 4, q_len, 128, lengths, tail_len=q_len + 5, capacity=q_len + 9, dtype=dtype)
+            for entries in ("float", "int8", "int4"):  # the context entries as stored: float, or codes and scales
+                inputs = list(layout)
+                if entries != "float":
+                    bits = int(entries[3:])
+                    inputs[1], inputs[2] = (QuantizedEntries.quantize(x, bits) for x in layout[1:3])
+                rows += _attention_rows(device, names, inputs, q_len, dtype, entries)
+    return rows
+
+
+def _attention_rows(device, names, inputs, q_len, dtype, entries) -> list[dict]:
+    rows = []
+    ref = ragged_attention_ref(*inputs, tail_len=q_len + 5, scale=128**-0.5).double()
+    for name in names:
+        backend = RAGGED_ATTENTION[name]
+        if backend.refusal(inputs[0], inputs[1]) is not None:
+            continue
+        moved = [t.to(device) for t in inputs]
+        start = time.perf_counter()
+        out = ragged_attention(*moved, tail_len=q_len + 5, scale=128**-0.5, backend=name)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        error = float((out.cpu().double() - ref).abs().max())
+        tol = ATTENTION_TOLERANCE[dtype]
+        rows.append(
+            dict(
+                op="ragged_attention",
+                backend=name,
+                dtype=str(dtype).replace("torch.", ""),
+                entries=entries,
+                q_len=q_len,
+                max_abs_error=error,
+                ok=bool(error <= tol[1] + tol[0] * float(ref.abs().max()) and not torch.isnan(out).any()),
+                seconds=round(time.perf_counter() - start, 4),
+            )
+        )
     return rows
 
 

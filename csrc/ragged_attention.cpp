@@ -17,6 +17,16 @@
 // writes its partial (max, sum, unnormalised output) per row, and a second pass merges the items of each segment.
 // No padding is materialised: K and V stream from memory once, read in place in fp32 or converted in registers from
 // bfloat16 / half (cpu_attention_kernel.inc: vectorised scores, exp and output update, VL keys at a time).
+//
+//   ragged_attention_quantized(query, key_codes, key_scales, key_zeros?, key_groups?, value_codes, value_scales,
+//                              value_zeros?, value_groups?, bits, cu_seqlens, tail_keys, tail_values, tail_len,
+//                              scale) -> (B, q, H, d)
+//
+// The same over quantized context entries (kvpress_critical/ops/ragged_attention/codes.py): 8-bit codes (N, d) or
+// 4-bit codes two a byte (N, ceil(d / 2)), symmetric or asymmetric (zeros), with one fp32 scale per entry or one per
+// channel of a group of entries (groups: KIVI's key layout). Each block of VL entries is dequantized once into L1
+// (float(code) * scale (+ zero), the value the Python codec gives) and attended as fp32 entries: the codes are the
+// only bytes read from memory, and no float copy of the layer is made.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -31,6 +41,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -41,7 +52,18 @@
 namespace kvpress_critical {
 namespace {
 
+// One tensor's quantized entries as the micro-kernels read them (kvpress_critical/ops/ragged_attention/codes.py).
+struct CodeView {
+  const uint8_t* codes;    // entry e's codes at codes + e * ld (int8 / uint8, or 4-bit nibbles two a byte)
+  int64_t ld;              // bytes between entries
+  const float* scales;     // (N,) per entry, or (G, d) per channel of a group
+  const float* zeros;      // nullptr: symmetric codes; else the shape of scales (asymmetric: x = zero + code * scale)
+  const int32_t* groups;   // nullptr: per entry; else (N,) the group (row of scales / zeros) of every entry
+  int bits;                // 8 or 4
+};
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
 #define KVPC_X86_ATTENTION 1
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")
@@ -74,13 +96,17 @@ namespace attn_generic {
 
 using AttendFn = void (*)(const float*, int64_t, int64_t, const void*, int64_t, const void*, int64_t, int64_t,
                           const int64_t*, float*, float*, float*, float*);
+using AttendCodesFn = void (*)(const float*, int64_t, int64_t, const CodeView&, const CodeView&, int64_t, int64_t,
+                               float*, float*, float*, float*);
 
 struct AttentionIsa {
-  AttendFn f32, bf16, f16;  // one work item, by the dtype of the cache
+  AttendFn f32, bf16, f16;         // one work item, by the dtype of the cache
+  AttendCodesFn codes;             // one context work item over quantized entries
   const char* name;
 };
 
-#define KVPC_ATTENTION_ISA(ns, label) AttentionIsa{ns::attend_f32, ns::attend_bf16, ns::attend_f16, label}
+#define KVPC_ATTENTION_ISA(ns, label) \
+  AttentionIsa{ns::attend_f32, ns::attend_bf16, ns::attend_f16, ns::attend_codes, label}
 
 // The best micro-kernels the CPU supports, at most KVPRESS_CRITICAL_CPU_ISA when set (as for the projected norm).
 const AttentionIsa& attention_isa() {
@@ -145,23 +171,29 @@ void check_args(const at::Tensor& query, const at::Tensor& keys, const at::Tenso
                 "kvpress_critical: the CPU ragged attention takes floating-point CPU tensors");
 }
 
-at::Tensor ragged_attention_cpu(const at::Tensor& query, const at::Tensor& keys_in, const at::Tensor& values_in,
-                                const at::Tensor& cu_seqlens, const at::Tensor& tail_keys_in,
-                                const at::Tensor& tail_values_in, int64_t tail_len, double scale) {
-  check_args(query, keys_in, values_in, cu_seqlens, tail_keys_in, tail_values_in, tail_len);
+// The packed context entries as the work items read them: fp32 / bf16 / half rows, or int8 / int4 codes with one
+// fp32 scale per entry.
+struct Context {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t ldk = 0, ldv = 0;  // row strides, in elements
+  int64_t esize = 0;         // bytes per element
+  AttendFn attend = nullptr;             // float rows
+  AttendCodesFn attend_codes = nullptr;  // codes
+  CodeView k_codes{}, v_codes{};
+};
+
+// Everything but the reading of the context: work items, the tail, the merge. tail_keys / tail_values: unit stride
+// along head_dim, fp32 / bf16 / half.
+at::Tensor attend_items(const at::Tensor& query, const Context& ctx, int64_t n_entries, const at::Tensor& cu_seqlens,
+                        const at::Tensor& tail_keys, const at::Tensor& tail_values, int64_t tail_len, double scale) {
   const int64_t batch = query.size(0), heads = query.size(1), q_len = query.size(2), d = query.size(3);
-  const int64_t kv_heads = tail_keys_in.size(1), group = heads / kv_heads, segments = batch * kv_heads;
+  const int64_t kv_heads = tail_keys.size(1), group = heads / kv_heads, segments = batch * kv_heads;
   const int64_t rows = group * q_len;  // problem rows of a segment: row r = g * q_len + i
   at::Tensor out = at::empty({batch, q_len, heads, d}, query.options());
   if (out.numel() == 0) return out;
-  // one element type for the whole cache (the context's, usually the model's), unit stride along head_dim
-  const at::Tensor keys = kernel_layout(keys_in);
-  const at::Tensor values = kernel_layout(values_in).to(keys.scalar_type());
-  const at::Tensor tail_keys = kernel_layout(tail_keys_in).to(keys.scalar_type());
-  const at::Tensor tail_values = kernel_layout(tail_values_in).to(keys.scalar_type());
   const at::Tensor cu = cu_seqlens.contiguous();
   const int64_t* cu_ptr = cu.const_data_ptr<int64_t>();
-  const int64_t n_entries = keys.size(0);
   TORCH_CHECK(cu_ptr[0] == 0 && cu_ptr[segments] == n_entries, "kvpress_critical: cu_seqlens must start at 0 and end "
               "at the number of packed entries (", n_entries, "), got ", cu_ptr[0], " .. ", cu_ptr[segments]);
 
@@ -187,13 +219,11 @@ at::Tensor ragged_attention_cpu(const at::Tensor& query, const at::Tensor& keys_
   float* const part = partial.mutable_data_ptr<float>();
 
   const AttentionIsa& isa = attention_isa();
-  const AttendFn attend = keys.scalar_type() == at::kFloat ? isa.f32 : keys.scalar_type() == at::kBFloat16 ? isa.bf16 : isa.f16;
-  const int64_t esize = keys.element_size();
-  const char* k_base = static_cast<const char*>(keys.const_data_ptr());
-  const char* v_base = static_cast<const char*>(values.const_data_ptr());
+  const auto tail_type = tail_keys.scalar_type();
+  const AttendFn attend_tail = tail_type == at::kFloat ? isa.f32 : tail_type == at::kBFloat16 ? isa.bf16 : isa.f16;
+  const int64_t tsize = tail_keys.element_size();
   const char* tk_base = static_cast<const char*>(tail_keys.const_data_ptr());
   const char* tv_base = static_cast<const char*>(tail_values.const_data_ptr());
-  const int64_t ks0 = keys.stride(0), vs0 = values.stride(0);
   const float fscale = static_cast<float>(scale);
 
   std::atomic<int64_t> next{0};
@@ -230,14 +260,17 @@ at::Tensor ragged_attention_cpu(const at::Tensor& query, const at::Tensor& keys_
       std::fill(acc, acc + rows * d, 0.0f);
       if (item.tail) {  // query i sees tail positions <= tail_len - q_len + i (causal among the new tokens)
         for (int64_t r = 0; r < rows; ++r) last[r] = tail_len - q_len + r % q_len;
-        const char* tk = tk_base + (b * tail_keys.stride(0) + kv * tail_keys.stride(1)) * esize;
-        const char* tv = tv_base + (b * tail_values.stride(0) + kv * tail_values.stride(1)) * esize;
-        attend(qs, rows, d, tk, tail_keys.stride(2), tv, tail_values.stride(2), tail_len, last.data(), m, l, acc,
-               space);
+        const char* tk = tk_base + (b * tail_keys.stride(0) + kv * tail_keys.stride(1)) * tsize;
+        const char* tv = tv_base + (b * tail_values.stride(0) + kv * tail_values.stride(1)) * tsize;
+        attend_tail(qs, rows, d, tk, tail_keys.stride(2), tv, tail_values.stride(2), tail_len, last.data(), m, l, acc,
+                    space);
       } else {
-        const int64_t first = cu_ptr[item.segment] + item.begin;
-        attend(qs, rows, d, k_base + first * ks0 * esize, ks0, v_base + first * vs0 * esize, vs0,
-               item.end - item.begin, nullptr, m, l, acc, space);
+        const int64_t first = cu_ptr[item.segment] + item.begin, n = item.end - item.begin;
+        if (ctx.attend_codes != nullptr)
+          ctx.attend_codes(qs, rows, d, ctx.k_codes, ctx.v_codes, first, n, m, l, acc, space);
+        else
+          ctx.attend(qs, rows, d, ctx.k + first * ctx.ldk * ctx.esize, ctx.ldk, ctx.v + first * ctx.ldv * ctx.esize,
+                     ctx.ldv, n, nullptr, m, l, acc, space);
       }
     }
   });
@@ -273,6 +306,93 @@ at::Tensor ragged_attention_cpu(const at::Tensor& query, const at::Tensor& keys_
   return out;
 }
 
+at::Tensor ragged_attention_cpu(const at::Tensor& query, const at::Tensor& keys_in, const at::Tensor& values_in,
+                                const at::Tensor& cu_seqlens, const at::Tensor& tail_keys_in,
+                                const at::Tensor& tail_values_in, int64_t tail_len, double scale) {
+  check_args(query, keys_in, values_in, cu_seqlens, tail_keys_in, tail_values_in, tail_len);
+  // one element type for the whole cache (the context's, usually the model's), unit stride along head_dim
+  const at::Tensor keys = kernel_layout(keys_in);
+  const at::Tensor values = kernel_layout(values_in).to(keys.scalar_type());
+  const at::Tensor tail_keys = kernel_layout(tail_keys_in).to(keys.scalar_type());
+  const at::Tensor tail_values = kernel_layout(tail_values_in).to(keys.scalar_type());
+  const AttentionIsa& isa = attention_isa();
+  const auto type = keys.scalar_type();
+  Context ctx;
+  ctx.k = static_cast<const char*>(keys.const_data_ptr());
+  ctx.v = static_cast<const char*>(values.const_data_ptr());
+  ctx.ldk = keys.stride(0);
+  ctx.ldv = values.stride(0);
+  ctx.esize = keys.element_size();
+  ctx.attend = type == at::kFloat ? isa.f32 : type == at::kBFloat16 ? isa.bf16 : isa.f16;
+  return attend_items(query, ctx, keys.size(0), cu_seqlens, tail_keys, tail_values, tail_len, scale);
+}
+
+// One tensor's codes checked against the query's head_dim: dtype and width of the codes, shapes of the scales, zeros
+// and groups (codes.py); `what` names the tensor in messages.
+CodeView code_view(const char* what, const at::Tensor& codes, const at::Tensor& scales,
+                   const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& groups, int64_t bits,
+                   int64_t d) {
+  const int64_t width = bits == 8 ? d : (d + 1) / 2;
+  const bool symmetric = !zeros.has_value();
+  const auto code_type = bits == 8 && symmetric ? at::kChar : at::kByte;
+  TORCH_CHECK(codes.dim() == 2 && codes.size(1) == width && codes.scalar_type() == code_type && codes.device().is_cpu() &&
+                  codes.stride(1) == 1,
+              "kvpress_critical: ", what, ": ", bits, "-bit ", symmetric ? "symmetric" : "asymmetric",
+              " codes of head_dim ", d, " must be ", code_type, " (N, ", width, ") CPU tensors with unit stride, got ",
+              codes.scalar_type(), " ", codes.sizes());
+  const int64_t n = codes.size(0);
+  if (groups.has_value()) {
+    TORCH_CHECK(groups->dim() == 1 && groups->size(0) == n && groups->scalar_type() == at::kInt &&
+                    groups->is_contiguous() && groups->device().is_cpu(),
+                "kvpress_critical: ", what, ": groups must be a contiguous int32 CPU tensor (", n, ",)");
+    TORCH_CHECK(scales.dim() == 2 && scales.size(1) == d, "kvpress_critical: ", what,
+                ": per-channel scales must be (groups, ", d, "), got ", scales.sizes());
+    if (n > 0) {
+      const int32_t* g = groups->const_data_ptr<int32_t>();
+      const auto [lo, hi] = std::minmax_element(g, g + n);
+      TORCH_CHECK(*lo >= 0 && *hi < scales.size(0), "kvpress_critical: ", what, ": groups index rows outside the ",
+                  scales.size(0), " rows of the scales");
+    }
+  } else {
+    TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n, "kvpress_critical: ", what,
+                ": per-entry scales must be (", n, ",), got ", scales.sizes());
+  }
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.device().is_cpu(),
+              "kvpress_critical: ", what, ": scales must be a contiguous float32 CPU tensor");
+  if (zeros.has_value())
+    TORCH_CHECK(zeros->sizes() == scales.sizes() && zeros->scalar_type() == at::kFloat && zeros->is_contiguous() &&
+                    zeros->device().is_cpu(),
+                "kvpress_critical: ", what, ": zeros must be a contiguous float32 CPU tensor of the scales' shape");
+  return CodeView{static_cast<const uint8_t*>(codes.const_data_ptr()), codes.stride(0), scales.const_data_ptr<float>(),
+                  zeros.has_value() ? zeros->const_data_ptr<float>() : nullptr,
+                  groups.has_value() ? groups->const_data_ptr<int32_t>() : nullptr, static_cast<int>(bits)};
+}
+
+// ragged_attention over quantized context entries (codes.py): keys and values each as codes, scales, optional zeros
+// (asymmetric codes) and optional groups (per-channel scales); the tail in any float dtype.
+at::Tensor ragged_attention_quantized_cpu(const at::Tensor& query, const at::Tensor& key_codes,
+                                          const at::Tensor& key_scales, const std::optional<at::Tensor>& key_zeros,
+                                          const std::optional<at::Tensor>& key_groups, const at::Tensor& value_codes,
+                                          const at::Tensor& value_scales, const std::optional<at::Tensor>& value_zeros,
+                                          const std::optional<at::Tensor>& value_groups, int64_t bits,
+                                          const at::Tensor& cu_seqlens, const at::Tensor& tail_keys_in,
+                                          const at::Tensor& tail_values_in, int64_t tail_len, double scale) {
+  TORCH_CHECK(bits == 8 || bits == 4, "kvpress_critical: bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(query.dim() == 4, "kvpress_critical: query must be (batch, heads, q_len, head_dim), got ", query.sizes());
+  const int64_t d = query.size(3);
+  Context ctx;
+  ctx.k_codes = code_view("keys", key_codes, key_scales, key_zeros, key_groups, bits, d);
+  ctx.v_codes = code_view("values", value_codes, value_scales, value_zeros, value_groups, bits, d);
+  TORCH_CHECK(value_codes.size(0) == key_codes.size(0), "kvpress_critical: keys and values have different entries");
+  // check the query, offsets and tail as for float entries (a stride-0 view stands in for the context's shape)
+  const at::Tensor shape_only = at::empty({1, 1}, query.options().dtype(at::kFloat)).expand({key_codes.size(0), d});
+  check_args(query, shape_only, shape_only, cu_seqlens, tail_keys_in, tail_values_in, tail_len);
+  const at::Tensor tail_keys = kernel_layout(tail_keys_in);
+  const at::Tensor tail_values = kernel_layout(tail_values_in).to(tail_keys.scalar_type());
+  ctx.attend_codes = attention_isa().codes;
+  return attend_items(query, ctx, key_codes.size(0), cu_seqlens, tail_keys, tail_values, tail_len, scale);
+}
+
 std::string attention_kernel_isa() { return attention_isa().name; }
 
 }  // namespace
@@ -281,9 +401,16 @@ TORCH_LIBRARY_FRAGMENT(kvpress_critical, m) {
   m.def(
       "ragged_attention(Tensor query, Tensor keys, Tensor values, Tensor cu_seqlens, Tensor tail_keys, "
       "Tensor tail_values, int tail_len, float scale) -> Tensor");
+  m.def(
+      "ragged_attention_quantized(Tensor query, Tensor key_codes, Tensor key_scales, Tensor? key_zeros, "
+      "Tensor? key_groups, Tensor value_codes, Tensor value_scales, Tensor? value_zeros, Tensor? value_groups, "
+      "int bits, Tensor cu_seqlens, Tensor tail_keys, Tensor tail_values, int tail_len, float scale) -> Tensor");
   m.def("attention_kernel_isa() -> str", &attention_kernel_isa);
 }
 
-TORCH_LIBRARY_IMPL(kvpress_critical, CPU, m) { m.impl("ragged_attention", &ragged_attention_cpu); }
+TORCH_LIBRARY_IMPL(kvpress_critical, CPU, m) {
+  m.impl("ragged_attention", &ragged_attention_cpu);
+  m.impl("ragged_attention_quantized", &ragged_attention_quantized_cpu);
+}
 
 }  // namespace kvpress_critical

@@ -8,7 +8,8 @@
   ``module.masked_key_indices``) into a compact layer;
 - :mod:`~kvpress_critical.cache.windows`: sliding windows, kvpress's masked entries as a keep mask;
 - :mod:`~kvpress_critical.cache.layouts`: the views a compression after the prefill trims, per layout;
-- :mod:`~kvpress_critical.cache.quantize`: int8 / int4 entries.
+- int8 / int4 entries (``CompactLayer(quantize=...)``) are codes with one scale per entry
+  (:mod:`kvpress_critical.ops.ragged_attention.codes`), read as they are by the attention kernels.
 """
 
 from kvpress_critical.cache.attention import CompactKV, attention_wrapping

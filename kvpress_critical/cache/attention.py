@@ -81,8 +81,8 @@ def compact_attention(module, query, key: CompactKV, attention_mask, dropout=0.0
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     out = ragged_attention(
         query,
-        layer.packed_keys,
-        layer.packed_values,
+        layer.context_keys,  # as stored: float entries, or codes the kernels dequantize as they read them
+        layer.context_values,
         layer.cu_seqlens,
         layer.tail_keys,
         layer.tail_values,

@@ -29,7 +29,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvpress_critical.cache.attention import CompactKV, hold_attention_wrapping
-from kvpress_critical.cache.quantize import FORMATS, code_bytes, dequantize_rows, quantize_rows
+from kvpress_critical.ops.ragged_attention.codes import FORMATS, QuantizedEntries, quantize_entries
 from kvpress_critical.ops.ragged_attention.layout import cu_seqlens_from_lengths
 
 DEFAULT_RESERVE = 64
@@ -92,7 +92,8 @@ class LogicalView:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         raise TypeError(
             f"{func.__name__} on a CompactLayer's keys/values: the layer has no dense tensor (kvpress-critical's "
-            "compact layout). Use layer.segments() or layer.padded_view() (a padded copy) to read it."
+            "compact layout). Use layer.segments() or layer.aligned_view(n) (a dense copy at the entries' "
+            "positions) to read it."
         )
 
     def __repr__(self):
@@ -129,8 +130,9 @@ class CompactLayer(CacheLayerMixin):
         if quantize is None:
             self._keys, self._values = keys, values
         else:  # codes and one scale per entry; the tail stays in the model's dtype
-            bits = FORMATS[quantize]
-            self._keys, self._values = quantize_rows(keys, bits), quantize_rows(values, bits)
+            key_spec, value_spec = FORMATS[quantize]
+            self._keys = quantize_entries(keys, key_spec, cu_seqlens)
+            self._values = quantize_entries(values, value_spec, cu_seqlens)
         self.cu_seqlens = cu_seqlens  # (S + 1,) int64, on CPU (read by the kernels' launchers)
         self.positions = positions  # (N,) int32, original position of every packed entry
         self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, keys.shape[-1]
@@ -149,20 +151,29 @@ class CompactLayer(CacheLayerMixin):
         hold_attention_wrapping(self)  # attention can read the layer for as long as it exists
 
     @property
+    def context_keys(self) -> torch.Tensor | QuantizedEntries:
+        """The packed context keys as stored: ``(N, d)`` in the model's dtype, or their codes when quantized (what
+        the attention reads)."""
+        return self._keys
+
+    @property
+    def context_values(self) -> torch.Tensor | QuantizedEntries:
+        """The packed context values as stored (see :attr:`context_keys`)."""
+        return self._values
+
+    @property
     def packed_keys(self) -> torch.Tensor:
-        """``(N, d)`` the packed context keys, in the model's dtype (dequantized when the layer is quantized)."""
+        """``(N, d)`` the packed context keys, in the model's dtype (a dequantized copy when the layer is quantized:
+        for inspection and re-selection, never for a step's attention)."""
         return self._packed(self._keys)
 
     @property
     def packed_values(self) -> torch.Tensor:
-        """``(N, d)`` the packed context values, in the model's dtype (dequantized when the layer is quantized)."""
+        """``(N, d)`` the packed context values, in the model's dtype (see :attr:`packed_keys`)."""
         return self._packed(self._values)
 
     def _packed(self, stored):
-        if self.quantize is None:
-            return stored
-        codes, scales = stored
-        return dequantize_rows(codes, scales, FORMATS[self.quantize], self.head_dim, self.dtype)
+        return stored if self.quantize is None else stored.dequantize(self.dtype)
 
     @property
     def num_entries(self) -> int:
@@ -189,7 +200,7 @@ class CompactLayer(CacheLayerMixin):
         ``(B, H_kv, T)`` positions of the dense entries (default ``0..T-1``). ``context_length``: the length the layer
         reports to the model (``get_seq_length``; default ``T``, what the dense layer reported). ``quantize``:
         ``"int8"`` or ``"int4"`` stores the packed entries as codes with one scale per entry
-        (:mod:`~kvpress_critical.cache.quantize`).
+        (:mod:`~kvpress_critical.ops.ragged_attention.codes`).
         """
         bsz, num_kv_heads, k_len, _ = keys.shape
         if keep.shape != keys.shape[:3]:
@@ -336,7 +347,7 @@ class CompactLayer(CacheLayerMixin):
         if self.quantize is None:
             context = 2 * self.num_entries * self.head_dim * element
         else:
-            context = 2 * code_bytes(self.num_entries, self.head_dim, FORMATS[self.quantize])
+            context = self._keys.nbytes + self._values.nbytes
         return context + 2 * tail.numel() * element + self.cu_seqlens.numel() * 8 + self.positions.numel() * 4
 
     def aligned_view(self, length: int, tail_positions: torch.Tensor | None = None) -> AlignedView:

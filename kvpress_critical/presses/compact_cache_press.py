@@ -9,7 +9,6 @@ from kvpress.presses.base_press import is_prefilling
 from transformers import QuantizedCache
 
 from kvpress_critical.cache import DEFAULT_RESERVE, attention_wrapping, compact_layer, is_sliding_layer
-from kvpress_critical.cache.quantize import FORMATS
 from kvpress_critical.capabilities import (
     Capabilities,
     capabilities,
@@ -19,6 +18,7 @@ from kvpress_critical.capabilities import (
     padded_batch_refusal,
 )
 from kvpress_critical.modeling import decoder, hooked_attention_modules
+from kvpress_critical.ops.ragged_attention.codes import FORMATS
 from kvpress_critical.presses.budgeted import keep_mask
 from kvpress_critical.presses.checks import check_ratio
 from kvpress_critical.presses.decoding_compression import DecodingCompressor
@@ -70,8 +70,11 @@ class CompactCachePress(InnerPressMixin, BasePress):
       ``CriticalAdaKVPress``. kvpress's pipeline then enters the press for the answer too, and asks one question per
       context, as for its own decoding presses.
     - **Quantized entries**: ``quantize="int8"`` or ``"int4"`` stores the kept context entries as codes with one
-      scale per entry (:mod:`kvpress_critical.cache.quantize`), dequantized for each step's attention; the tail
-      stays in the model's dtype. transformers' ``QuantizedCache`` is refused: use this option instead.
+      scale per entry, ``"kivi4"`` in KIVI's layout (4-bit keys with one scale and zero per channel of each group of
+      32 entries of a head, 4-bit values with one scale and zero per entry; arXiv 2402.02750)
+      (:mod:`kvpress_critical.ops.ragged_attention.codes`). The attention kernels read the codes and dequantize block
+      by block as they attend (no float copy of a layer); the tail stays in the model's dtype. transformers'
+      ``QuantizedCache`` is refused: use this option instead.
 
     Not supported, each a clear error: eager attention (its attention function is not registered, so it cannot see
     the layout), right-padded batches, ``DMSPress(decoding=True)``, presses that re-rotate keys
@@ -87,8 +90,8 @@ class CompactCachePress(InnerPressMixin, BasePress):
         The press that selects the entries (it holds the ``compression_ratio``).
     reserve : int, default=64
         Tail capacity (tokens per head) reserved at compaction for the question and the answer.
-    quantize : {None, "int8", "int4"}, default=None
-        Store the kept context entries quantized, one scale per entry.
+    quantize : {None, "int8", "int4", "kivi4"}, default=None
+        Store the kept context entries quantized: one scale per entry (int8, int4), or KIVI's layout (kivi4).
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities(selection="wrapper", changes_layout=True)
@@ -120,7 +123,7 @@ class CompactCachePress(InnerPressMixin, BasePress):
         if not isinstance(self.reserve, int) or self.reserve < 1:
             raise ValueError(f"reserve must be a positive number of tokens, got {self.reserve!r}")
         if self.quantize is not None and self.quantize not in FORMATS:
-            raise ValueError(f"quantize must be None, 'int8' or 'int4', got {self.quantize!r}")
+            raise ValueError(f"quantize must be None or one of {sorted(FORMATS)}, got {self.quantize!r}")
 
     @property
     def compression_ratio(self) -> float:
@@ -211,7 +214,7 @@ class CompactCachePress(InnerPressMixin, BasePress):
                 raise TypeError(
                     "CompactCachePress keeps its own layout and cannot compact transformers' QuantizedCache (its "
                     "layers would stay full-length); for quantized entries use CompactCachePress(press, "
-                    "quantize='int8' or 'int4') with a DynamicCache"
+                    "quantize='int8', 'int4' or 'kivi4') with a DynamicCache"
                 )
             mask = kwargs.get("attention_mask")
             empty = cache is None or cache.get_seq_length() == 0

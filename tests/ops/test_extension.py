@@ -39,16 +39,19 @@ def test_every_cpu_instruction_set_matches_the_reference(ops):
     """AVX-512 (with and without the BF16 dot products), AVX2 and the generic micro-kernels of both ops against their
     float64 references (KVPRESS_CRITICAL_CPU_ISA caps the choice, read once per process): strided fp32 and bf16
     values for the projected norm; fp32, bf16 and half caches, a head_dim that is not a multiple of any vector width,
-    causal query rows and a long split segment for the ragged attention."""
+    causal query rows and a long split segment for the ragged attention, over float entries and over int8 / int4
+    codes and KIVI's layout."""
     # loads the library and the reference modules by path: no package import (kvpress, transformers) per process
     script = (
-        "import importlib.util, torch\n"
+        "import importlib.util, sys, torch\n"
         "def load(name, path):\n"
         "    spec = importlib.util.spec_from_file_location(name, path)\n"
-        "    module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); return module\n"
+        "    module = sys.modules[name] = importlib.util.module_from_spec(spec)\n"
+        "    spec.loader.exec_module(module); return module\n"
         f"naive = load('naive', {str(NAIVE)!r})\n"
         f"attention = load('attention', {str(ATTENTION_NAIVE)!r})\n"
         f"layout = load('layout', {str(ATTENTION_LAYOUT)!r})\n"
+        f"codes = load('codes', {str(ATTENTION_LAYOUT.parent / 'codes.py')!r})\n"
         f"torch.ops.load_library({str(ext.extension_state().path)!r})\n"
         "ops = torch.ops.kvpress_critical\n"
         "g = torch.Generator().manual_seed(0)\n"
@@ -66,6 +69,14 @@ def test_every_cpu_instruction_set_matches_the_reference(ops):
         "        out = ops.ragged_attention(*inputs, q + 2, d ** -0.5)\n"
         "        ref = attention.ragged_attention_ref(*inputs, tail_len=q + 2, scale=d ** -0.5).double()\n"
         "        torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol * (1 + inputs[2].abs().max().item()))\n"
+        "        for key_spec, value_spec in codes.FORMATS.values():\n"  # quantized entries: int8, int4, kivi4
+        "            k = codes.quantize_entries(inputs[1], key_spec, inputs[3])\n"
+        "            v = codes.quantize_entries(inputs[2], value_spec, inputs[3])\n"
+        "            out = ops.ragged_attention_quantized(inputs[0], k.codes, k.scales, k.zeros, k.groups, v.codes, "
+        "v.scales, v.zeros, v.groups, k.bits, inputs[3], *inputs[4:], q + 2, d ** -0.5)\n"
+        "            ref = attention.ragged_attention_ref(inputs[0], k, v, *inputs[3:], q + 2, d ** -0.5).double()\n"
+        "            bound = tol * (1 + v.dequantize().abs().max().item())\n"
+        "            torch.testing.assert_close(out.double(), ref, rtol=0, atol=bound)\n"
         "print(ops.cpu_kernel_isa(), ops.attention_kernel_isa())\n"
     )
     seen = {}

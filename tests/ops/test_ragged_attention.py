@@ -17,11 +17,13 @@ from kvpress_critical.ops.extension import cpp_availability
 from kvpress_critical.ops.ragged_attention import (
     ATTENTION_TOLERANCE,
     RAGGED_ATTENTION,
+    QuantizedEntries,
     flash_backend,
     ragged_attention,
     ragged_attention_ref,
     random_layout,
 )
+from kvpress_critical.ops.ragged_attention.codes import FORMATS, CodeSpec, quantize_entries
 from kvpress_critical.ops.registry import BackendUnavailableError
 
 HAS_CUDA = torch.cuda.is_available()
@@ -152,6 +154,111 @@ def test_gpu_backends_match_reference(dtype):
                         check(name, bsz, group, q_len, head_dim, dtype)
 
 
+# ---- quantized entries: codes and scales read by the kernels ------------------------------------------------------
+
+
+# the formats of CompactCachePress, plus the other combinations the op takes: 8-bit asymmetric codes, per-channel
+# 8-bit keys, symmetric keys with asymmetric per-channel values
+SPECS = dict(
+    FORMATS,
+    asym8=(CodeSpec(8, symmetric=False), CodeSpec(8, symmetric=False)),
+    channel8=(CodeSpec(8, symmetric=False, per_channel=True), CodeSpec(8)),
+    mixed4=(CodeSpec(4), CodeSpec(4, symmetric=False, per_channel=True)),
+)
+
+
+def make_quantized(bsz, group, q_len, head_dim, dtype, fmt, **kw):
+    """A layout whose context entries are codes: the float entries of make() quantized as ``fmt`` (a SPECS name),
+    with rows of every magnitude and channels of different offsets (what per-channel scales are for)."""
+    inputs, tail_len = make(bsz, group, q_len, head_dim, dtype, **kw)
+    gen = torch.Generator().manual_seed(1)
+    magnitude = 10 ** (torch.rand(inputs[1].shape[0], 1, generator=gen) * 2 - 1)  # rows from 0.1 to 10
+    keys = inputs[1].float() * magnitude + torch.randn(head_dim, generator=gen)  # channel offsets
+    values = inputs[2].float()
+    if keys.shape[0]:
+        keys[0] = 0  # an all-zero entry (scale 1 by convention)
+    key_spec, value_spec = SPECS[fmt]
+    inputs[1] = quantize_entries(keys, key_spec, inputs[3])
+    inputs[2] = quantize_entries(values, value_spec, inputs[3])
+    return inputs, tail_len
+
+
+def check_quantized(backend, bsz, group, q_len, head_dim, dtype, fmt, **kw):
+    inputs, tail_len = make_quantized(bsz, group, q_len, head_dim, dtype, fmt, **kw)
+    scale = head_dim**-0.5
+    ref = ragged_attention_ref(*inputs, tail_len=tail_len, scale=scale).double()  # over the dequantized entries
+    moved = [t.to(DEVICE) for t in inputs]
+    out = ragged_attention(*moved, tail_len=tail_len, scale=scale, backend=backend)
+    assert out.shape == (bsz, q_len, 2 * group, head_dim) and out.dtype == dtype
+    assert not torch.isnan(out).any(), f"{backend}: NaN (a read past the valid entries)"
+    rtol, atol = ATTENTION_TOLERANCE[dtype]
+    values_scale = max(float(inputs[2].dequantize().abs().max()) if inputs[2].shape[0] else 1.0, 1.0)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=0, atol=atol + rtol * values_scale)
+
+
+@pytest.mark.parametrize("fmt", list(SPECS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 20])  # 20: no full vector of int4 bytes on AVX-512
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("q_len", [1, 6, 20])
+@pytest.mark.parametrize("bsz", [1, 3])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_quantized_entries_match_the_reference(backend, bsz, q_len, group, head_dim, dtype, fmt):
+    check_quantized(backend, bsz, q_len=q_len, group=group, head_dim=head_dim, dtype=dtype, fmt=fmt)
+
+
+@pytest.mark.parametrize("fmt", list(SPECS))
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_quantized_long_unequal_segments(backend, fmt):
+    """Segments split over several work items (cpp), one empty, with an odd head_dim: every code of every chunk read."""
+    check_quantized(backend, 2, 4, 1, 72, torch.float32, fmt, lengths=[3000, 0, 17, 1029])
+
+
+@pytest.mark.parametrize("fmt", list(SPECS))
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_triton_reads_quantized_entries(case, fmt):
+    if not usable("triton"):
+        pytest.skip(RAGGED_ATTENTION["triton"].availability() or "Triton does not run on this device here")
+    check_quantized("triton", *case, fmt=fmt)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_quantized_entries_are_never_dequantized_as_a_layer(backend, monkeypatch):
+    """cpp reads the codes (no dequantization in Python at all); torch dequantizes one segment at a time."""
+    inputs, tail_len = make_quantized(3, 4, 1, 64, torch.float32, "kivi4")
+    ref = ragged_attention_ref(*inputs, tail_len=tail_len, scale=0.125)
+    longest = int((inputs[3][1:] - inputs[3][:-1]).max())
+    sizes = []
+    original = QuantizedEntries.dequantize
+
+    def spy(self, dtype=torch.float32):
+        sizes.append(self.shape[0])
+        return original(self, dtype)
+
+    monkeypatch.setattr(QuantizedEntries, "dequantize", spy)
+    out = ragged_attention(*inputs, tail_len=tail_len, scale=0.125, backend=backend)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if backend == "cpp":
+        assert sizes == []
+    else:
+        assert sizes and max(sizes) <= longest < inputs[1].shape[0]
+
+
+def test_quantized_entries_refuse_what_does_not_fit():
+    codes = torch.zeros(5, 8, dtype=torch.int8)
+    with pytest.raises(ValueError, match="must be torch.uint8"):
+        QuantizedEntries(codes, torch.ones(5), 4, 16)
+    with pytest.raises(ValueError, match="scales must be float32"):
+        QuantizedEntries(codes, torch.ones(4), 8, 8)
+    inputs, tail_len = make_quantized(1, 2, 1, 16, torch.float32, "int8")
+    other = QuantizedEntries.quantize(inputs[2].dequantize(), 4)
+    with pytest.raises(ValueError, match="8-bit codes but values 4-bit"):
+        ragged_attention(inputs[0], inputs[1], other, *inputs[3:], tail_len=tail_len, scale=1.0)
+    with pytest.raises(TypeError, match="both be tensors or both QuantizedEntries"):
+        ragged_attention(inputs[0], inputs[1], inputs[2].dequantize(), *inputs[3:], tail_len=tail_len, scale=1.0)
+    assert "quantized" in flash_backend.flash_supports(inputs[0].bfloat16(), inputs[1])
+
+
 # ---- flash-attn's adapter, against a stand-in module with flash-attn's signatures --------------------------------
 
 
@@ -254,6 +361,16 @@ def test_opcheck(ops, dtype, q_len):
     inputs, tail_len = make(3, 4, q_len, 16, dtype)
     inputs[4], inputs[5] = inputs[4].nan_to_num(), inputs[5].nan_to_num()  # opcheck compares NaN-free results
     torch.library.opcheck(ops.ragged_attention.default, (*inputs, tail_len, 0.25))
+
+
+@pytest.mark.parametrize("fmt", list(SPECS))
+def test_opcheck_quantized(ops, fmt):
+    inputs, tail_len = make_quantized(3, 4, 2, 16, torch.bfloat16, fmt)
+    k, v = inputs[1], inputs[2]
+    tail_k, tail_v = inputs[4].nan_to_num(), inputs[5].nan_to_num()
+    args = (inputs[0], k.codes, k.scales, k.zeros, k.groups, v.codes, v.scales, v.zeros, v.groups, k.bits, inputs[3])
+    args += (tail_k, tail_v)
+    torch.library.opcheck(ops.ragged_attention_quantized.default, (*args, tail_len, 0.25))
 
 
 def test_fake_tensor_shape(ops):

@@ -12,11 +12,17 @@ from transformers import DynamicCache
 
 from kvpress_critical import CompactCachePress, CriticalAdaKVPress, CriticalKVPress, LayerDefensiveKVPress
 from kvpress_critical.cache import CompactLayer, keep_mask_from_indices
-from kvpress_critical.cache.quantize import dequantize_rows, quantization_error_bound, quantize_rows
 from kvpress_critical.conversation import Conversation
 from kvpress_critical.likelihood import target_tokens
 from kvpress_critical.modeling import attention_modules
 from kvpress_critical.ops.ragged_attention import ragged_attention, random_layout
+from kvpress_critical.ops.ragged_attention.codes import (
+    FORMATS,
+    dequantize_rows,
+    quantization_error_bound,
+    quantize_entries,
+    quantize_rows,
+)
 from kvpress_critical.presses.decoding_compression import decoding_compression
 
 NEEDLES = [
@@ -217,22 +223,40 @@ def test_quantized_entries_are_within_half_a_scale():
             assert codes.shape[1] == (dim if bits == 8 else math.ceil(dim / 2))
 
 
-@pytest.mark.parametrize("quantize", ["int8", "int4"])
-def test_quantized_compact_attention_is_within_the_derived_bound(quantize):
-    """Attention over quantized entries vs the same entries unquantized: within the bound the per-entry scales give
-    (keys move every logit by at most scale * ||q||_1 * s_k / 2, values move the output by at most s_v / 2)."""
-    bits = {"int8": 8, "int4": 4}[quantize]
+@pytest.mark.parametrize("quantize", ["int8", "int4", "kivi4"])
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_quantized_compact_attention_is_within_the_derived_bound(quantize, backend):
+    """Attention over a quantized compact layer (the codes, as the model's steps read them) vs the same entries
+    unquantized: within the bound the scales give (keys move every logit by at most scale * ||q||_1 * e_k, values the
+    output by at most e_v, e the largest element error: half a scale)."""
     query, keys, values, cu, tail_k, tail_v = random_layout(2, 2, 3, 1, 64, [50, 0, 7, 120], tail_len=3)
+    keys = keys + torch.randn(64, generator=torch.Generator().manual_seed(3)) * 3  # channels with their own offsets
     exact = ragged_attention(query, keys, values, cu, tail_k, tail_v, 3, 0.125, backend="torch")
     layer = CompactLayer(keys, values, cu, torch.zeros(keys.shape[0], dtype=torch.int32), 2, 2, 130, quantize=quantize)
-    got = ragged_attention(query, layer.packed_keys, layer.packed_values, cu, tail_k, tail_v, 3, 0.125)
-    s_k, s_v = quantization_error_bound(keys, bits).max(), quantization_error_bound(values, bits).max()
-    delta = 0.125 * query.abs().sum(-1).max() * s_k  # the largest change of a logit
-    bound = values.abs().max() * (math.exp(2 * delta) - 1) + s_v
-    assert float((got - exact).abs().max()) <= float(bound)
-    assert float((got - exact).abs().max()) > 0  # the entries really are quantized
-    element = {"int8": 1, "int4": 0.5}[quantize]
-    assert layer.nbytes(reserved=False) == 2 * 177 * (64 * element + 4) + 5 * 8 + 177 * 4
+    k, v = layer.context_keys, layer.context_values
+    got = ragged_attention(query, k, v, cu, tail_k, tail_v, 3, 0.125, backend=backend)
+    e_k, e_v = float(k.error_bound().max()), float(v.error_bound().max())
+    assert bool(((k.dequantize() - keys).abs() <= k.error_bound()).all())
+    assert bool(((v.dequantize() - values).abs() <= v.error_bound()).all())
+    delta = 0.125 * query.abs().sum(-1).max() * e_k  # the largest change of a logit
+    bound = values.abs().max() * (math.exp(2 * delta) - 1) + e_v
+    assert 0 < float((got - exact).abs().max()) <= float(bound)  # within the bound, and really quantized
+    codes = 177 * {"int8": 64, "int4": 32, "kivi4": 32}[quantize]
+    per_entry = {"int8": 4, "int4": 4, "kivi4": 8}[quantize]  # scales (and zeros) of the values
+    key_scales = 177 * 4 if quantize != "kivi4" else 7 * 64 * 8 + 177 * 4  # per entry, or per channel of 7 groups
+    assert layer.nbytes(reserved=False) == 2 * codes + key_scales + 177 * per_entry + 5 * 8 + 177 * 4
+
+
+def test_kivi4_keys_lose_less_than_per_entry_int4_where_channels_have_offsets():
+    """The reason for KIVI's key layout: keys whose channels carry their own offsets (as RoPE'd keys do) lose less
+    with a scale and zero per channel of a group than with one symmetric scale per entry."""
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(256, 64, generator=gen) + torch.randn(64, generator=gen) * 8
+    cu = torch.tensor([0, 100, 256])
+    per_entry = quantize_entries(keys, FORMATS["int4"][0], cu)
+    per_channel = quantize_entries(keys, FORMATS["kivi4"][0], cu)
+    error = lambda q: float((q.dequantize() - keys).pow(2).mean())  # noqa: E731
+    assert error(per_channel) < 0.25 * error(per_entry)
 
 
 @pytest.mark.slow
@@ -242,13 +266,14 @@ def test_quantized_compact_answers_like_the_unquantized_one(smollm2_pipeline):
 
     context = haystack_context(pipe.tokenizer, 300, NEEDLES[1], depth=0.3)
     answers, sizes = {}, {}
-    for quantize in (None, "int8", "int4"):
+    for quantize in (None, "int8", "int4", "kivi4"):
         cache = DynamicCache()
         press = CompactCachePress(CriticalAdaKVPress(SnapKVPress(0.5)), quantize=quantize)
         answers[quantize] = pipe(context, question=QUESTIONS[1], press=press, max_new_tokens=8, cache=cache)["answer"]
         sizes[quantize] = sum(layer.nbytes(reserved=False) for layer in cache.layers)
     assert answers["int8"] == answers[None]  # int8 keeps the greedy answer
     assert sizes["int8"] < 0.3 * sizes[None] and sizes["int4"] < 0.17 * sizes[None]  # float32 model: 4 bytes each
+    assert sizes["int4"] < sizes["kivi4"] < 0.2 * sizes[None]  # per-channel key scales and value zeros cost bytes
 
 
 @pytest.mark.slow
@@ -340,6 +365,6 @@ def test_transformers_quantized_cache_is_refused_not_silently_kept_dense():
 
     model = tiny_model("llama")
     cache = QuantizedCache(backend="quanto", config=model.config, nbits=4)
-    with pytest.raises(TypeError, match="quantize='int8' or 'int4'"):
+    with pytest.raises(TypeError, match="quantize='int8', 'int4' or 'kivi4'"):
         with CompactCachePress(CriticalAdaKVPress(SnapKVPress(0.5, window_size=4)))(model):
             model.model(input_ids=torch.randint(0, 256, (1, 30)), past_key_values=cache)

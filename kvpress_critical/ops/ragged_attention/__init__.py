@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from kvpress_critical.ops.extension import cpp_availability
+from kvpress_critical.ops.ragged_attention.codes import FORMATS, QuantizedEntries
 from kvpress_critical.ops.ragged_attention.cpp_backend import ragged_attention_cpp
 from kvpress_critical.ops.ragged_attention.flash_backend import (
     flash_availability,
@@ -58,7 +59,12 @@ RAGGED_ATTENTION = OpRegistry(
 def _check_inputs(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len) -> None:
     if query.dim() != 4:
         raise ValueError(f"query must be (batch, heads, q_len, head_dim), got shape {tuple(query.shape)}")
-    if keys.dim() != 2 or keys.shape != values.shape:
+    quantized = isinstance(keys, QuantizedEntries)
+    if quantized != isinstance(values, QuantizedEntries):
+        raise TypeError("keys and values must both be tensors or both QuantizedEntries")
+    if quantized and keys.bits != values.bits:
+        raise ValueError(f"keys are {keys.bits}-bit codes but values {values.bits}-bit ones")
+    if len(keys.shape) != 2 or keys.shape != values.shape:
         raise ValueError(
             f"keys and values must be packed (entries, head_dim), got {tuple(keys.shape)}, {tuple(values.shape)}"
         )
@@ -111,8 +117,10 @@ def ragged_attention(
     ----------
     query : torch.Tensor
         ``(B, H, q, d)`` post-RoPE queries, any float dtype.
-    keys, values : torch.Tensor
-        ``(N, d)`` packed context entries, segment ``b * H_kv + h`` at ``cu_seqlens[s]:cu_seqlens[s + 1]``.
+    keys, values : torch.Tensor or QuantizedEntries
+        ``(N, d)`` packed context entries, segment ``b * H_kv + h`` at ``cu_seqlens[s]:cu_seqlens[s + 1]``: float
+        tensors, or int8 / int4 codes with one scale per entry (:class:`.codes.QuantizedEntries`), which every
+        backend but ``flash`` reads as they are.
     cu_seqlens : torch.Tensor
         ``(B * H_kv + 1,)`` int offsets (on CPU or on the cache's device).
     tail_keys, tail_values : torch.Tensor
@@ -155,6 +163,8 @@ RAGGED_ATTENTION.register(
 __all__ = [
     "ATTENTION_TOLERANCE",
     "AUTO_ORDER",
+    "FORMATS",
+    "QuantizedEntries",
     "CPU_MULTI_QUERY",
     "RAGGED_ATTENTION",
     "cu_seqlens_from_lengths",

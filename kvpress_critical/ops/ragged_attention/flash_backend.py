@@ -42,7 +42,9 @@ def flash_availability() -> str | None:
 
 
 def flash_supports(query: torch.Tensor, keys: torch.Tensor) -> str | None:
-    """flash-attn's input constraints: fp16 / bf16, one dtype, head_dim <= 256 and a multiple of 8."""
+    """flash-attn's input constraints: fp16 / bf16, one dtype, head_dim <= 256 and a multiple of 8, float entries."""
+    if not isinstance(keys, torch.Tensor):
+        return "flash-attn reads float entries, not quantized codes (the triton backend reads them)"
     if query.dtype not in (torch.float16, torch.bfloat16) or keys.dtype != query.dtype:
         return f"flash-attn computes in float16 / bfloat16 only (query {query.dtype}, cache {keys.dtype})"
     if query.shape[-1] > 256 or query.shape[-1] % 8:

@@ -24,9 +24,9 @@ def ragged_attention_ref(
     ----------
     query : torch.Tensor
         ``(B, H, q, d)`` post-RoPE queries of the ``q`` new tokens.
-    keys, values : torch.Tensor
-        ``(N, d)`` packed context entries; segment ``s = b * H_kv + h`` (batch row ``b``, KV head ``h``) is rows
-        ``cu_seqlens[s]:cu_seqlens[s + 1]``.
+    keys, values : torch.Tensor or QuantizedEntries
+        ``(N, d)`` packed context entries (quantized ones are dequantized first: ``float(code) * scale``);
+        segment ``s = b * H_kv + h`` (batch row ``b``, KV head ``h``) is rows ``cu_seqlens[s]:cu_seqlens[s + 1]``.
     cu_seqlens : torch.Tensor
         ``(B * H_kv + 1,)`` segment offsets.
     tail_keys, tail_values : torch.Tensor
@@ -41,6 +41,8 @@ def ragged_attention_ref(
         ``(B, q, H, d)`` in the query's dtype (the layout transformers' attention functions return). A query that
         sees no entry gets zeros.
     """
+    if not isinstance(keys, torch.Tensor):  # QuantizedEntries (.codes): the dequantized entries are the spec
+        keys, values = keys.dequantize(), values.dequantize()
     bsz, heads, q_len, head_dim = query.shape
     num_kv_heads = tail_keys.shape[1]
     group = heads // num_kv_heads

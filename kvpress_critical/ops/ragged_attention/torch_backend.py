@@ -4,6 +4,7 @@ One segment (batch row, KV head) at a time: the segment's ``G`` query heads and 
 ``(G * q, d)`` problem against its context entries and against the tail, each scored in float32 without copying
 the cache (no ``repeat_kv``, no concatenation); the two softmax parts are merged by their log-sum-exp. A Python
 loop over segments: the portable fallback (``cpp`` on CPU and ``flash`` / ``triton`` on CUDA are the fast paths).
+Quantized entries are dequantized one segment at a time (a temporary of one segment, never of the layer).
 
 From ``SDPA_MIN_QUERIES`` queries on (a prefill chunk over a compact cache), each segment is one float32
 ``scaled_dot_product_attention`` call over its entries followed by the tail, with the causal part as a boolean mask:
@@ -13,7 +14,15 @@ the fused kernel then beats both the loop above and the cpp kernel (which is wri
 import torch
 import torch.nn.functional as F
 
+from kvpress_critical.ops.ragged_attention.codes import QuantizedEntries
+
 SDPA_MIN_QUERIES = 8
+
+
+def _rows(entries, lo: int, hi: int) -> torch.Tensor:
+    """Entries ``lo:hi`` of a segment as a float tensor (quantized entries dequantized, one segment at a time)."""
+    part = entries[lo:hi]
+    return part.dequantize() if isinstance(part, QuantizedEntries) else part
 
 
 def _part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
@@ -46,7 +55,8 @@ def ragged_attention_torch(query, keys, values, cu_seqlens, tail_keys, tail_valu
             q = query[b, h * group : (h + 1) * group].reshape(group * q_len, head_dim).float() * scale
             parts = []
             if offsets[s + 1] > offsets[s]:
-                parts.append(_part(q, keys[offsets[s] : offsets[s + 1]], values[offsets[s] : offsets[s + 1]], None))
+                lo, hi = offsets[s], offsets[s + 1]
+                parts.append(_part(q, _rows(keys, lo, hi), _rows(values, lo, hi), None))
             if tail_len:
                 parts.append(_part(q, tail_keys[b, h, :tail_len], tail_values[b, h, :tail_len], tail_mask))
             if not parts:
@@ -71,8 +81,9 @@ def _ragged_attention_sdpa(query, keys, values, offsets, tail_keys, tail_values,
         for h in range(num_kv_heads):
             s = b * num_kv_heads + h
             n = offsets[s + 1] - offsets[s]
-            k = torch.cat([keys[offsets[s] : offsets[s + 1]], tail_keys[b, h, :tail_len]]).float()  # (n + t, d)
-            v = torch.cat([values[offsets[s] : offsets[s + 1]], tail_values[b, h, :tail_len]]).float()
+            lo, hi = offsets[s], offsets[s + 1]
+            k = torch.cat([_rows(keys, lo, hi).float(), tail_keys[b, h, :tail_len].float()])  # (n + t, d)
+            v = torch.cat([_rows(values, lo, hi).float(), tail_values[b, h, :tail_len].float()])
             mask = torch.cat([causal.new_ones(q_len, n), causal], dim=1)  # (q, n + t)
             q = query[b : b + 1, h * group : (h + 1) * group].float()  # (1, G, q, d)
             k, v = k[None, None].expand(1, group, -1, -1), v[None, None].expand(1, group, -1, -1)

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpress_critical.ops.ragged_attention.codes import QuantizedEntries
 from kvpress_critical.ops.ragged_attention.layout import offsets_on
 from kvpress_critical.ops.ragged_attention.triton_kernel import get_attention_kernel
 from kvpress_critical.ops.triton_utils import interpreter_enabled
@@ -53,22 +54,45 @@ def ragged_attention_triton(query, keys, values, cu_seqlens, tail_keys, tail_val
     partial_ml = torch.empty(segments, n_splits, rows_pad, 2, dtype=torch.float32, device=query.device)
     # every (split, row < rows) is written by the kernel (a split past its segment's end writes m = -inf, 0);
     # the padding rows past `rows` are never read back
-    sixteen = query.dtype in (torch.float16, torch.bfloat16) and keys.dtype == query.dtype and not interpreter_enabled()
+    quantized = isinstance(keys, QuantizedEntries)
+    # 16-bit dots when the entries are exact in the query's dtype: the same dtype, or codes (|code| <= 127) under a
+    # bfloat16 query (the probabilities times the value scales are then rounded to bfloat16, as the probabilities
+    # alone are for float entries; in float16 small products would fall into its subnormal range: float32 dots)
+    exact = query.dtype == torch.bfloat16 if quantized else keys.dtype == query.dtype
+    sixteen = query.dtype in (torch.float16, torch.bfloat16) and exact and not interpreter_enabled()
+    if quantized:
+        k_arg, v_arg, bits = keys.codes, values.codes, keys.bits
+        # (absent zeros and groups: any tensor stands in, never read)
+        k_extra = [
+            keys.scales,
+            keys.scales if keys.zeros is None else keys.zeros,
+            cu if keys.groups is None else keys.groups,
+        ]
+        v_extra = [values.scales, values.scales if values.zeros is None else values.zeros]
+        v_extra.append(cu if values.groups is None else values.groups)
+        flags = dict(K_ZERO=not keys.symmetric, K_CHANNEL=keys.per_channel)
+        flags.update(V_ZERO=not values.symmetric, V_CHANNEL=values.per_channel)
+    else:
+        k_arg, v_arg, bits = keys, values, 0  # (the code pointers are not read)
+        k_extra, v_extra = [cu] * 3, [cu] * 3
+        flags = dict(K_ZERO=False, K_CHANNEL=False, V_ZERO=False, V_CHANNEL=False)
     compute = _TL_DTYPES[query.dtype] if sixteen else tl.float32
     guard = torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext()
     with guard:
         get_attention_kernel()[(segments, n_splits, row_blocks)](
             query,
-            keys,
-            values,
+            k_arg,
+            v_arg,
+            *k_extra,
+            *v_extra,
             cu,
             tail_keys,
             tail_values,
             partial_o,
             partial_ml,
             *query.stride(),
-            *keys.stride(),
-            *values.stride(),
+            *k_arg.stride(),
+            *v_arg.stride(),
             *tail_keys.stride(),
             *tail_values.stride(),
             num_kv_heads,
@@ -85,6 +109,8 @@ def ragged_attention_triton(query, keys, values, cu_seqlens, tail_keys, tail_val
             BLOCK_D=block_d,
             COMPUTE_DTYPE=compute,
             INPUT_PRECISION="tf32" if sixteen else "ieee",
+            BITS=bits,
+            **flags,
             num_warps=warps,
             num_stages=stages,
         )

@@ -12,8 +12,14 @@ _KERNELS: dict = {}
 
 def _ragged_attention(
     q_ptr,  # (B, H, q, d) queries, strides sq_*
-    k_ptr,  # (N, d) packed context keys, strides sk_*
+    k_ptr,  # (N, d) packed context keys, strides sk_* (codes: (N, d) int8 or (N, ceil(d / 2)) uint8)
     v_ptr,  # (N, d) packed context values, strides sv_*
+    ks_ptr,  # float32 scales of the key codes (BITS > 0): (N,) per entry, or (G, d) per channel (K_CHANNEL)
+    kz_ptr,  # float32 zeros of the key codes, the scales' shape (K_ZERO: asymmetric codes)
+    kg_ptr,  # (N,) int32 group of every entry (K_CHANNEL)
+    vs_ptr,  # the same for the value codes
+    vz_ptr,
+    vg_ptr,
     cu_ptr,  # (S + 1,) int64 segment offsets, S = B * H_kv
     tk_ptr,  # (B, H_kv, C, d) tail keys, strides st_*
     tv_ptr,  # (B, H_kv, C, d) tail values, strides su_*
@@ -49,6 +55,11 @@ def _ragged_attention(
     BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two (masked)
     COMPUTE_DTYPE: tl.constexpr,  # operand dtype of the dots (fp32 accumulation)
     INPUT_PRECISION: tl.constexpr,  # "ieee" for float32 operands (Triton's default would be tf32)
+    BITS: tl.constexpr,  # 0: float entries; 8 / 4: 8-bit / 4-bit codes (codes.py)
+    K_ZERO: tl.constexpr,  # key codes asymmetric (unsigned, with zeros)
+    K_CHANNEL: tl.constexpr,  # key scales per channel of a group (KIVI)
+    V_ZERO: tl.constexpr,
+    V_CHANNEL: tl.constexpr,
 ):
     # program (segment s, split of its entries, block of rows): partial softmax attention over entries
     # [split * chunk, (split + 1) * chunk) of the segment's virtual sequence "context entries, then tail"
@@ -83,25 +94,84 @@ def _ragged_attention(
         tpos = idx - n_ctx
         ctx_mask = (valid & in_ctx)[:, None] & d_mask[None, :]
         tail_mask = (valid & (idx >= n_ctx))[:, None] & d_mask[None, :]
-        kc = tl.load(k_ptr + (start + idx)[:, None] * sk_n + offs_d[None, :] * sk_d, mask=ctx_mask, other=0.0)
         kt = tl.load(
             tk_ptr + b * st_b + kv * st_h + tpos[:, None] * st_t + offs_d[None, :] * st_d, mask=tail_mask, other=0.0
         )
+        if BITS == 0:
+            kc = tl.load(k_ptr + (start + idx)[:, None] * sk_n + offs_d[None, :] * sk_d, mask=ctx_mask, other=0.0)
+            k_scale = tl.full((BLOCK_N,), 1.0, dtype=tl.float32)
+        else:
+            # the codes of the block's context entries, as int32 (symmetric 4-bit codes: offset removed)
+            if BITS == 8:
+                kc = tl.load(k_ptr + (start + idx)[:, None] * sk_n + offs_d[None, :], mask=ctx_mask, other=0)
+                kc = kc.to(tl.int32)
+            else:  # two codes a byte: element 2i in the low nibble, 2i + 1 in the high one
+                byte = tl.load(k_ptr + (start + idx)[:, None] * sk_n + (offs_d // 2)[None, :], mask=ctx_mask, other=0)
+                kc = (byte.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 15
+                if not K_ZERO:
+                    kc = tl.where(ctx_mask, kc - 8, 0)
+            if K_ZERO or K_CHANNEL:  # dequantized element by element: float32 code * scale (+ zero)
+                if K_CHANNEL:  # one scale (and zero) per channel of the entry's group
+                    group = tl.load(kg_ptr + start + idx, mask=valid & in_ctx, other=0).to(tl.int64)
+                    offsets = group[:, None] * head_dim + offs_d[None, :]
+                    kc = kc.to(tl.float32) * tl.load(ks_ptr + offsets, mask=ctx_mask, other=0.0)
+                    if K_ZERO:
+                        kc += tl.load(kz_ptr + offsets, mask=ctx_mask, other=0.0)
+                else:
+                    kc = kc.to(tl.float32) * tl.load(ks_ptr + start + idx, mask=valid & in_ctx, other=0.0)[:, None]
+                    if K_ZERO:
+                        kc += tl.load(kz_ptr + start + idx, mask=valid & in_ctx, other=0.0)[:, None]
+                kc = tl.where(ctx_mask, kc, 0.0)
+            if K_ZERO or K_CHANNEL:
+                k_scale = tl.full((BLOCK_N,), 1.0, dtype=tl.float32)
+            else:  # the codes themselves are the operand (exact in 16 bits); their scales multiply the scores
+                k_scale = tl.load(ks_ptr + start + idx, mask=valid & in_ctx, other=1.0)
+                k_scale = tl.where(in_ctx, k_scale, 1.0)
         k = tl.where(in_ctx[:, None], kc.to(COMPUTE_DTYPE), kt.to(COMPUTE_DTYPE))  # (BLOCK_N, BLOCK_D)
-        scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION, out_dtype=tl.float32) * scale  # (M, N)
+        scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION, out_dtype=tl.float32)  # (M, N)
+        scores = scores * (k_scale * scale)[None, :]
         visible = valid[None, :] & (in_ctx[None, :] | (tpos[None, :] <= last_visible[:, None]))
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         alpha = tl.exp(m - m_safe)
         p = tl.exp(scores - m_safe[:, None])
-        vc = tl.load(v_ptr + (start + idx)[:, None] * sv_n + offs_d[None, :] * sv_d, mask=ctx_mask, other=0.0)
         vt = tl.load(
             tv_ptr + b * su_b + kv * su_h + tpos[:, None] * su_t + offs_d[None, :] * su_d, mask=tail_mask, other=0.0
         )
+        if BITS == 0:
+            vc = tl.load(v_ptr + (start + idx)[:, None] * sv_n + offs_d[None, :] * sv_d, mask=ctx_mask, other=0.0)
+            pv = p
+        else:
+            # the codes of the block's context entries, as int32 (symmetric 4-bit codes: offset removed)
+            if BITS == 8:
+                vc = tl.load(v_ptr + (start + idx)[:, None] * sv_n + offs_d[None, :], mask=ctx_mask, other=0)
+                vc = vc.to(tl.int32)
+            else:  # two codes a byte: element 2i in the low nibble, 2i + 1 in the high one
+                byte = tl.load(v_ptr + (start + idx)[:, None] * sv_n + (offs_d // 2)[None, :], mask=ctx_mask, other=0)
+                vc = (byte.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 15
+                if not V_ZERO:
+                    vc = tl.where(ctx_mask, vc - 8, 0)
+            if V_ZERO or V_CHANNEL:  # dequantized element by element: float32 code * scale (+ zero)
+                if V_CHANNEL:  # one scale (and zero) per channel of the entry's group
+                    group = tl.load(vg_ptr + start + idx, mask=valid & in_ctx, other=0).to(tl.int64)
+                    offsets = group[:, None] * head_dim + offs_d[None, :]
+                    vc = vc.to(tl.float32) * tl.load(vs_ptr + offsets, mask=ctx_mask, other=0.0)
+                    if V_ZERO:
+                        vc += tl.load(vz_ptr + offsets, mask=ctx_mask, other=0.0)
+                else:
+                    vc = vc.to(tl.float32) * tl.load(vs_ptr + start + idx, mask=valid & in_ctx, other=0.0)[:, None]
+                    if V_ZERO:
+                        vc += tl.load(vz_ptr + start + idx, mask=valid & in_ctx, other=0.0)[:, None]
+                vc = tl.where(ctx_mask, vc, 0.0)
+            if V_ZERO or V_CHANNEL:
+                pv = p
+            else:  # value codes as the operand, their scales folded into the probabilities
+                v_scale = tl.load(vs_ptr + start + idx, mask=valid & in_ctx, other=1.0)
+                pv = p * tl.where(in_ctx, v_scale, 1.0)[None, :]
         v = tl.where(in_ctx[:, None], vc.to(COMPUTE_DTYPE), vt.to(COMPUTE_DTYPE))
         acc = acc * alpha[:, None] + tl.dot(
-            p.to(COMPUTE_DTYPE), v, input_precision=INPUT_PRECISION, out_dtype=tl.float32
+            pv.to(COMPUTE_DTYPE), v, input_precision=INPUT_PRECISION, out_dtype=tl.float32
         )
         denom = denom * alpha + tl.sum(p, axis=1)
         m = m_new
