@@ -230,7 +230,7 @@ at::Tensor attend_items(const at::Tensor& query, const Context& ctx, int64_t n_e
   const int64_t workers = std::min<int64_t>(threads, std::max<int64_t>(n_items, 1));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     // per-thread scratch through torch's allocator: scaled queries | the micro-kernel's work space | causal limits
-    const int64_t work = (rows + 2 * d) * kMaxVL;
+    const int64_t work = (2 * rows + 2 * d) * kMaxVL;
     at::Tensor scratch = at::empty({rows * d + work}, partial.options());
     float* const qs = scratch.mutable_data_ptr<float>();
     float* const space = qs + rows * d;

@@ -39,8 +39,9 @@ def test_every_cpu_instruction_set_matches_the_reference(ops):
     """AVX-512 (with and without the BF16 dot products), AVX2 and the generic micro-kernels of both ops against their
     float64 references (KVPRESS_CRITICAL_CPU_ISA caps the choice, read once per process): strided fp32 and bf16
     values for the projected norm; fp32, bf16 and half caches, a head_dim that is not a multiple of any vector width,
-    causal query rows and a long split segment for the ragged attention, over float entries and over int8 / int4
-    codes and KIVI's layout."""
+    the head sizes with compile-time addressing (64, 128) under and over a register block of rows, more query rows
+    than head_dim (the scaled-probability scratch), causal query rows and a long split segment for the ragged
+    attention, over float entries and over int8 / int4 codes and KIVI's layout."""
     # loads the library and the reference modules by path: no package import (kvpress, transformers) per process
     script = (
         "import importlib.util, sys, torch\n"
@@ -64,7 +65,8 @@ def test_every_cpu_instruction_set_matches_the_reference(ops):
         "        ref = naive.projected_value_norm_ref(vd, wd, 8, norm)\n"
         "        torch.testing.assert_close(out, ref.float(), rtol=2e-5, atol=1e-5)\n"
         "for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-8), (torch.float16, 2**-10)):\n"
-        "    for d, group, q, lengths in ((72, 4, 3, [0, 37, 5, 300]), (128, 3, 1, [1700, 2])):\n"
+        "    shapes = ((72, 4, 3, [0, 37, 5, 300]), (128, 3, 1, [1700, 2]), (64, 7, 10, [90, 33]))\n"
+        "    for d, group, q, lengths in shapes:\n"
         "        inputs = layout.random_layout(len(lengths) // 2, 2, group, q, d, lengths, q + 2, q + 6, dtype=dtype)\n"
         "        out = ops.ragged_attention(*inputs, q + 2, d ** -0.5)\n"
         "        ref = attention.ragged_attention_ref(*inputs, tail_len=q + 2, scale=d ** -0.5).double()\n"
