@@ -155,6 +155,8 @@ spills() {  # registers and spills of the compiled Triton kernels, as ptxas repo
   local archs=90
   [ "$DRY" = 1 ] || archs=80,90
   env -u TRITON_INTERPRET "$PY" -m kvpress_critical.ops.triton_aot --arch "$archs" | tee "$STEP_DIR/spills.jsonl"
+  [ "$DRY" = 1 ] ||  # the ragged attention's cases (each on its own architectures; the test suite runs them too)
+    env -u TRITON_INTERPRET "$PY" -m kvpress_critical.ops.triton_aot --op ragged_attention | tee -a "$STEP_DIR/spills.jsonl"
 }
 
 if [ "$DRY" = 1 ]; then  # the same steps at sizes a CPU does in seconds (the logic is what is checked)

@@ -148,6 +148,70 @@ CASES = [("float32", d, norm) for d in (64, 128, 256) for norm in ("l1", "l2")]
 CASES += [("bfloat16", d, "l1") for d in (64, 128, 256)] + [("float16", 128, "l1")]
 
 
+def ragged_attention_usage(
+    arch: int, query_dtype: str, fmt: str, head_dim: int, rows: int
+) -> tuple[dict, ResourceUsage]:
+    """``(constexprs, ResourceUsage)`` of the ragged-attention kernel as the launcher configures it on ``sm_<arch>``
+    for a ``query_dtype`` query over ``fmt`` entries (``"float"``: entries of the query's dtype; or a name of
+    :data:`~kvpress_critical.ops.ragged_attention.codes.FORMATS`), ``rows`` query rows per segment."""
+    import torch
+
+    from kvpress_critical.ops.ragged_attention.codes import FORMATS
+    from kvpress_critical.ops.ragged_attention.triton_backend import kernel_constants
+    from kvpress_critical.ops.ragged_attention.triton_kernel import get_attention_kernel
+
+    dtype = getattr(torch, query_dtype)
+    operand = _TL_NAMES[getattr(tl, query_dtype)]
+    key_spec, value_spec = FORMATS[fmt] if fmt != "float" else (None, None)
+    constants, warps, stages = kernel_constants(
+        dtype, dtype if key_spec is None else None, key_spec, value_spec, rows, head_dim
+    )
+
+    def entries(spec) -> str:  # int8 symmetric 8-bit codes, uint8 otherwise (codes.py)
+        return operand if spec is None else ("i8" if spec.bits == 8 and spec.symmetric else "u8")
+
+    def code_args(spec) -> list[str]:  # scales, zeros, groups (absent ones: the int64 offsets stand in)
+        if spec is None:
+            return ["*i64"] * 3
+        return ["*fp32", "*fp32", "*i32" if spec.per_channel else "*i64"]
+
+    signature = {"q_ptr": f"*{operand}", "k_ptr": f"*{entries(key_spec)}", "v_ptr": f"*{entries(value_spec)}"}
+    signature.update(zip(("ks_ptr", "kz_ptr", "kg_ptr"), code_args(key_spec)))
+    signature.update(zip(("vs_ptr", "vz_ptr", "vg_ptr"), code_args(value_spec)))
+    signature.update(cu_ptr="*i64", tk_ptr=f"*{operand}", tv_ptr=f"*{operand}", o_ptr="*fp32", ml_ptr="*fp32")
+    ints = "sq_b sq_h sq_i sq_d sk_n sk_d sv_n sv_d st_b st_h st_t st_d su_b su_h su_t su_d"
+    ints += " num_kv_heads group q_len head_dim tail_len"
+    signature.update({name: "i32" for name in ints.split()})
+    signature.update(scale="fp32", chunk="i32", n_splits="i32", rows_pad="i32")
+    compiled = compile_kernel(get_attention_kernel(), signature, constants, arch, warps, stages)
+    return constants, ptxas_usage(compiled.asm["ptx"], arch)
+
+
+# (query dtype, entries, head_dim, rows, archs): every entry format under every query dtype at head_dim 128 in
+# decoding (a GQA group of 4 rows), the other head sizes and a prefill chunk (64 rows) with 16-bit operands
+RAGGED_CASES = [
+    (q, f, 128, 4, (90,)) for q in ("float32", "bfloat16", "float16") for f in ("float", "int8", "int4", "kivi4")
+]
+RAGGED_CASES += [("bfloat16", f, d, 4, (90,)) for f in ("float", "kivi4") for d in (64, 256)]
+RAGGED_CASES += [("bfloat16", f, 128, rows, (80,)) for f in ("float", "kivi4") for rows in (4, 64)]
+RAGGED_CASES += [("bfloat16", f, 128, 64, (90,)) for f in ("float", "kivi4")]
+
+
+def ragged_attention_table() -> list[dict]:
+    """Resource usage of the ragged-attention kernel for every case of :data:`RAGGED_CASES`."""
+    rows = []
+    for query_dtype, fmt, head_dim, n_rows, archs in RAGGED_CASES:
+        for arch in archs:
+            constants, usage = ragged_attention_usage(arch, query_dtype, fmt, head_dim, n_rows)
+            sixteen = constants["COMPUTE_DTYPE"] != tl.float32
+            config = {k: v for k, v in constants.items() if k.startswith("BLOCK")}
+            rows.append(
+                dict(arch=arch, query=query_dtype, entries=fmt, head_dim=head_dim, rows=n_rows, sixteen_bit=sixteen,
+                     config=config, **asdict(usage))
+            )  # fmt: skip
+    return rows
+
+
 def usage_table(archs=(80, 90)) -> list[dict]:
     """Resource usage of every launcher configuration in :data:`CASES` for each architecture."""
     rows = []
@@ -170,8 +234,18 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--arch", default="80,90", help="comma-separated compute capabilities, e.g. 80,90")
+    parser.add_argument(
+        "--op",
+        default="projected_value_norm",
+        choices=("projected_value_norm", "ragged_attention"),
+        help="the kernel (ragged_attention: the cases of RAGGED_CASES, each on its own architectures)",
+    )
     args = parser.parse_args(argv)
-    for row in usage_table(tuple(int(a) for a in args.arch.split(","))):
+    if args.op == "ragged_attention":
+        table = ragged_attention_table()
+    else:
+        table = usage_table(tuple(int(a) for a in args.arch.split(",")))
+    for row in table:
         print(json.dumps(row), flush=True)
     return 0
 

@@ -186,6 +186,11 @@ class QuantizedEntries:
     def per_channel(self) -> bool:
         return self.groups is not None
 
+    @property
+    def spec(self) -> CodeSpec:
+        """How these entries are quantized."""
+        return CodeSpec(self.bits, self.symmetric, self.per_channel)
+
     @classmethod
     def quantize(
         cls, x: torch.Tensor, bits: int, symmetric: bool = True, cu_seqlens: torch.Tensor | None = None

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpress_critical.ops.ragged_attention.codes import QuantizedEntries
+from kvpress_critical.ops.ragged_attention.codes import CodeSpec, QuantizedEntries
 from kvpress_critical.ops.ragged_attention.layout import offsets_on
 from kvpress_critical.ops.ragged_attention.triton_kernel import get_attention_kernel
 from kvpress_critical.ops.triton_utils import interpreter_enabled
@@ -15,13 +15,59 @@ from kvpress_critical.ops.triton_utils import interpreter_enabled
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def _blocks(rows: int, head_dim: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages)."""
+def _blocks(rows: int, head_dim: int, sixteen: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) for ``rows`` query rows per segment.
+
+    Chosen with ``ptxas -v`` on sm_80 and sm_90 (``python -m kvpress_critical.ops.triton_aot --op ragged_attention``,
+    no GPU needed; not yet timed on a GPU): with 16-bit dot operands, up to 32 rows, 16 entries per step (32 for
+    head_dim <= 64) and 8 warps; with float32 operands (FMA dots), 16 rows and 16 entries. Every case of that table
+    then spills at most 36 bytes, where the earlier 64 entries and 4 warps spilled 0.3-1.6 KB with 16-bit operands
+    and 15-18 KB with float32 ones.
+    """
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     if interpreter_enabled():
         return block_m, 32, block_d, 1, 1
-    return block_m, 64 if block_d <= 128 else 32, block_d, 4, 2
+    if sixteen:
+        return min(block_m, 32), 32 if block_d <= 64 else 16, block_d, 8, 2
+    return 16, 16, block_d, 8, 2
+
+
+def sixteen_bit_dots(query_dtype: torch.dtype, entry_dtype: torch.dtype | None) -> bool:
+    """Whether the dots take 16-bit operands: the entries are exact in the query's 16-bit dtype, i.e. float entries
+    of the query's dtype, or codes (``entry_dtype`` None: ``|code| <= 127``) under a bfloat16 query (the
+    probabilities times the value scales are then rounded to bfloat16, as the probabilities alone are for float
+    entries; in float16 small products would fall into its subnormal range: float32 dots)."""
+    exact = query_dtype == torch.bfloat16 if entry_dtype is None else entry_dtype == query_dtype
+    return query_dtype in (torch.float16, torch.bfloat16) and exact and not interpreter_enabled()
+
+
+def kernel_constants(
+    query_dtype: torch.dtype,
+    entry_dtype: torch.dtype | None,
+    key_spec: CodeSpec | None,
+    value_spec: CodeSpec | None,
+    rows: int,
+    head_dim: int,
+) -> tuple[dict, int, int]:
+    """``(constexprs, num_warps, num_stages)`` of the kernel for these operands: float entries of ``entry_dtype``
+    (specs None), or codes of ``key_spec`` / ``value_spec`` (``entry_dtype`` None). The launcher and the
+    ahead-of-time compilation (:mod:`kvpress_critical.ops.triton_aot`) both take their configuration here."""
+    sixteen = sixteen_bit_dots(query_dtype, entry_dtype)
+    block_m, block_n, block_d, warps, stages = _blocks(rows, head_dim, sixteen)
+    constants = dict(
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        COMPUTE_DTYPE=_TL_DTYPES[query_dtype] if sixteen else tl.float32,
+        INPUT_PRECISION="tf32" if sixteen else "ieee",
+        BITS=key_spec.bits if key_spec is not None else 0,
+        K_ZERO=key_spec is not None and not key_spec.symmetric,
+        K_CHANNEL=key_spec is not None and key_spec.per_channel,
+        V_ZERO=value_spec is not None and not value_spec.symmetric,
+        V_CHANNEL=value_spec is not None and value_spec.per_channel,
+    )
+    return constants, warps, stages
 
 
 def ragged_attention_triton(query, keys, values, cu_seqlens, tail_keys, tail_values, tail_len, scale, max_seqlen=None):
@@ -40,7 +86,10 @@ def ragged_attention_triton(query, keys, values, cu_seqlens, tail_keys, tail_val
     longest = max_seqlen + tail_len
     if longest == 0:
         return out
-    block_m, block_n, block_d, warps, stages = _blocks(rows, head_dim)
+    quantized = isinstance(keys, QuantizedEntries)
+    specs = (keys.spec, values.spec) if quantized else (None, None)
+    constants, warps, stages = kernel_constants(query.dtype, None if quantized else keys.dtype, *specs, rows, head_dim)
+    block_m, block_n = constants["BLOCK_M"], constants["BLOCK_N"]
     # enough programs to fill the GPU even with a few segments (decoding: B * H_kv may be 8)
     target_programs = 4 * (
         torch.cuda.get_device_properties(query.device).multi_processor_count if query.device.type == "cuda" else 1
@@ -54,14 +103,8 @@ def ragged_attention_triton(query, keys, values, cu_seqlens, tail_keys, tail_val
     partial_ml = torch.empty(segments, n_splits, rows_pad, 2, dtype=torch.float32, device=query.device)
     # every (split, row < rows) is written by the kernel (a split past its segment's end writes m = -inf, 0);
     # the padding rows past `rows` are never read back
-    quantized = isinstance(keys, QuantizedEntries)
-    # 16-bit dots when the entries are exact in the query's dtype: the same dtype, or codes (|code| <= 127) under a
-    # bfloat16 query (the probabilities times the value scales are then rounded to bfloat16, as the probabilities
-    # alone are for float entries; in float16 small products would fall into its subnormal range: float32 dots)
-    exact = query.dtype == torch.bfloat16 if quantized else keys.dtype == query.dtype
-    sixteen = query.dtype in (torch.float16, torch.bfloat16) and exact and not interpreter_enabled()
     if quantized:
-        k_arg, v_arg, bits = keys.codes, values.codes, keys.bits
+        k_arg, v_arg = keys.codes, values.codes
         # (absent zeros and groups: any tensor stands in, never read)
         k_extra = [
             keys.scales,
@@ -70,13 +113,9 @@ def ragged_attention_triton(query, keys, values, cu_seqlens, tail_keys, tail_val
         ]
         v_extra = [values.scales, values.scales if values.zeros is None else values.zeros]
         v_extra.append(cu if values.groups is None else values.groups)
-        flags = dict(K_ZERO=not keys.symmetric, K_CHANNEL=keys.per_channel)
-        flags.update(V_ZERO=not values.symmetric, V_CHANNEL=values.per_channel)
     else:
-        k_arg, v_arg, bits = keys, values, 0  # (the code pointers are not read)
+        k_arg, v_arg = keys, values  # (the code pointers are not read)
         k_extra, v_extra = [cu] * 3, [cu] * 3
-        flags = dict(K_ZERO=False, K_CHANNEL=False, V_ZERO=False, V_CHANNEL=False)
-    compute = _TL_DTYPES[query.dtype] if sixteen else tl.float32
     guard = torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext()
     with guard:
         get_attention_kernel()[(segments, n_splits, row_blocks)](
@@ -104,13 +143,7 @@ def ragged_attention_triton(query, keys, values, cu_seqlens, tail_keys, tail_val
             chunk,
             n_splits,
             rows_pad,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_D=block_d,
-            COMPUTE_DTYPE=compute,
-            INPUT_PRECISION="tf32" if sixteen else "ieee",
-            BITS=bits,
-            **flags,
+            **constants,
             num_warps=warps,
             num_stages=stages,
         )

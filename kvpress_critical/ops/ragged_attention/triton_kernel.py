@@ -4,10 +4,64 @@ Like the projected norm's kernel, the function is kept undecorated and jitted on
 (:func:`get_attention_kernel`), so the interpreter mode is read when it runs (``TRITON_INTERPRET=1``).
 """
 
+import types
+
 import triton
 import triton.language as tl
 
 _KERNELS: dict = {}
+
+
+def _context_entries(
+    ptr,  # (N, d) float entries (strides s_n, s_d) or their codes (rows s_n bytes apart, contiguous)
+    s_ptr,  # float32 scales of the codes: (N,) per entry, or (G, d) per channel (CHANNEL)
+    z_ptr,  # float32 zeros (ZERO), the scales' shape
+    g_ptr,  # (N,) int32 group of every entry (CHANNEL)
+    s_n,
+    s_d,
+    entry,  # (BLOCK_N,) int64 entries of the block
+    entry_mask,  # (BLOCK_N,) the entries that are context entries of the program's range
+    mask,  # (BLOCK_N, BLOCK_D) entry_mask and the head_dim mask
+    offs_d,  # (BLOCK_D,)
+    head_dim,
+    BLOCK_N: tl.constexpr,
+    BITS: tl.constexpr,  # 0: float entries; 8 / 4: codes
+    ZERO: tl.constexpr,  # asymmetric codes
+    CHANNEL: tl.constexpr,  # scales (and zeros) per channel of a group (KIVI)
+):
+    """One block of context keys or values, and the scale of each entry still to be applied to it.
+
+    Float entries are returned as they are (scale 1); symmetric per-entry codes as int32 codes (exact as dot
+    operands in 16 bits) with their scales, which the caller applies to the scores (keys) or folds into the
+    probabilities (values); per-channel and asymmetric codes dequantized in float32 (scale 1). Masked elements are 0.
+    """
+    if BITS == 0:
+        x = tl.load(ptr + entry[:, None] * s_n + offs_d[None, :] * s_d, mask=mask, other=0.0)
+        scale = tl.full((BLOCK_N,), 1.0, dtype=tl.float32)
+    else:
+        if BITS == 8:
+            x = tl.load(ptr + entry[:, None] * s_n + offs_d[None, :], mask=mask, other=0).to(tl.int32)
+        else:  # two codes a byte: element 2i in the low nibble, 2i + 1 in the high one
+            byte = tl.load(ptr + entry[:, None] * s_n + (offs_d // 2)[None, :], mask=mask, other=0)
+            x = (byte.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 15
+            if not ZERO:  # symmetric 4-bit codes are stored offset by 8
+                x = tl.where(mask, x - 8, 0)
+        if ZERO or CHANNEL:  # dequantized element by element: float32 code * scale (+ zero)
+            if CHANNEL:  # one scale (and zero) per channel of the entry's group
+                group = tl.load(g_ptr + entry, mask=entry_mask, other=0).to(tl.int64)
+                offsets = group[:, None] * head_dim + offs_d[None, :]
+                x = x.to(tl.float32) * tl.load(s_ptr + offsets, mask=mask, other=0.0)
+                if ZERO:
+                    x += tl.load(z_ptr + offsets, mask=mask, other=0.0)
+            else:
+                x = x.to(tl.float32) * tl.load(s_ptr + entry, mask=entry_mask, other=0.0)[:, None]
+                if ZERO:
+                    x += tl.load(z_ptr + entry, mask=entry_mask, other=0.0)[:, None]
+            x = tl.where(mask, x, 0.0)
+            scale = tl.full((BLOCK_N,), 1.0, dtype=tl.float32)
+        else:  # the codes themselves are the operand; their scales are applied by the caller
+            scale = tl.load(s_ptr + entry, mask=entry_mask, other=1.0)
+    return x, scale
 
 
 def _ragged_attention(
@@ -97,39 +151,14 @@ def _ragged_attention(
         kt = tl.load(
             tk_ptr + b * st_b + kv * st_h + tpos[:, None] * st_t + offs_d[None, :] * st_d, mask=tail_mask, other=0.0
         )
-        if BITS == 0:
-            kc = tl.load(k_ptr + (start + idx)[:, None] * sk_n + offs_d[None, :] * sk_d, mask=ctx_mask, other=0.0)
-            k_scale = tl.full((BLOCK_N,), 1.0, dtype=tl.float32)
-        else:
-            # the codes of the block's context entries, as int32 (symmetric 4-bit codes: offset removed)
-            if BITS == 8:
-                kc = tl.load(k_ptr + (start + idx)[:, None] * sk_n + offs_d[None, :], mask=ctx_mask, other=0)
-                kc = kc.to(tl.int32)
-            else:  # two codes a byte: element 2i in the low nibble, 2i + 1 in the high one
-                byte = tl.load(k_ptr + (start + idx)[:, None] * sk_n + (offs_d // 2)[None, :], mask=ctx_mask, other=0)
-                kc = (byte.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 15
-                if not K_ZERO:
-                    kc = tl.where(ctx_mask, kc - 8, 0)
-            if K_ZERO or K_CHANNEL:  # dequantized element by element: float32 code * scale (+ zero)
-                if K_CHANNEL:  # one scale (and zero) per channel of the entry's group
-                    group = tl.load(kg_ptr + start + idx, mask=valid & in_ctx, other=0).to(tl.int64)
-                    offsets = group[:, None] * head_dim + offs_d[None, :]
-                    kc = kc.to(tl.float32) * tl.load(ks_ptr + offsets, mask=ctx_mask, other=0.0)
-                    if K_ZERO:
-                        kc += tl.load(kz_ptr + offsets, mask=ctx_mask, other=0.0)
-                else:
-                    kc = kc.to(tl.float32) * tl.load(ks_ptr + start + idx, mask=valid & in_ctx, other=0.0)[:, None]
-                    if K_ZERO:
-                        kc += tl.load(kz_ptr + start + idx, mask=valid & in_ctx, other=0.0)[:, None]
-                kc = tl.where(ctx_mask, kc, 0.0)
-            if K_ZERO or K_CHANNEL:
-                k_scale = tl.full((BLOCK_N,), 1.0, dtype=tl.float32)
-            else:  # the codes themselves are the operand (exact in 16 bits); their scales multiply the scores
-                k_scale = tl.load(ks_ptr + start + idx, mask=valid & in_ctx, other=1.0)
-                k_scale = tl.where(in_ctx, k_scale, 1.0)
+        entry = start + idx  # the block's context entries (index into the packed rows, codes, scales, groups)
+        kc, k_scale = _context_entries(
+            k_ptr, ks_ptr, kz_ptr, kg_ptr, sk_n, sk_d, entry, valid & in_ctx, ctx_mask, offs_d, head_dim,
+            BLOCK_N, BITS, K_ZERO, K_CHANNEL,
+        )  # fmt: skip
         k = tl.where(in_ctx[:, None], kc.to(COMPUTE_DTYPE), kt.to(COMPUTE_DTYPE))  # (BLOCK_N, BLOCK_D)
         scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION, out_dtype=tl.float32)  # (M, N)
-        scores = scores * (k_scale * scale)[None, :]
+        scores = scores * (k_scale * scale)[None, :]  # the key codes' scales (1: float or dequantized entries)
         visible = valid[None, :] & (in_ctx[None, :] | (tpos[None, :] <= last_visible[:, None]))
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -139,36 +168,11 @@ def _ragged_attention(
         vt = tl.load(
             tv_ptr + b * su_b + kv * su_h + tpos[:, None] * su_t + offs_d[None, :] * su_d, mask=tail_mask, other=0.0
         )
-        if BITS == 0:
-            vc = tl.load(v_ptr + (start + idx)[:, None] * sv_n + offs_d[None, :] * sv_d, mask=ctx_mask, other=0.0)
-            pv = p
-        else:
-            # the codes of the block's context entries, as int32 (symmetric 4-bit codes: offset removed)
-            if BITS == 8:
-                vc = tl.load(v_ptr + (start + idx)[:, None] * sv_n + offs_d[None, :], mask=ctx_mask, other=0)
-                vc = vc.to(tl.int32)
-            else:  # two codes a byte: element 2i in the low nibble, 2i + 1 in the high one
-                byte = tl.load(v_ptr + (start + idx)[:, None] * sv_n + (offs_d // 2)[None, :], mask=ctx_mask, other=0)
-                vc = (byte.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 15
-                if not V_ZERO:
-                    vc = tl.where(ctx_mask, vc - 8, 0)
-            if V_ZERO or V_CHANNEL:  # dequantized element by element: float32 code * scale (+ zero)
-                if V_CHANNEL:  # one scale (and zero) per channel of the entry's group
-                    group = tl.load(vg_ptr + start + idx, mask=valid & in_ctx, other=0).to(tl.int64)
-                    offsets = group[:, None] * head_dim + offs_d[None, :]
-                    vc = vc.to(tl.float32) * tl.load(vs_ptr + offsets, mask=ctx_mask, other=0.0)
-                    if V_ZERO:
-                        vc += tl.load(vz_ptr + offsets, mask=ctx_mask, other=0.0)
-                else:
-                    vc = vc.to(tl.float32) * tl.load(vs_ptr + start + idx, mask=valid & in_ctx, other=0.0)[:, None]
-                    if V_ZERO:
-                        vc += tl.load(vz_ptr + start + idx, mask=valid & in_ctx, other=0.0)[:, None]
-                vc = tl.where(ctx_mask, vc, 0.0)
-            if V_ZERO or V_CHANNEL:
-                pv = p
-            else:  # value codes as the operand, their scales folded into the probabilities
-                v_scale = tl.load(vs_ptr + start + idx, mask=valid & in_ctx, other=1.0)
-                pv = p * tl.where(in_ctx, v_scale, 1.0)[None, :]
+        vc, v_scale = _context_entries(
+            v_ptr, vs_ptr, vz_ptr, vg_ptr, sv_n, sv_d, entry, valid & in_ctx, ctx_mask, offs_d, head_dim,
+            BLOCK_N, BITS, V_ZERO, V_CHANNEL,
+        )  # fmt: skip
+        pv = p * v_scale[None, :]  # the value codes' scales folded into the probabilities (1: float entries)
         v = tl.where(in_ctx[:, None], vc.to(COMPUTE_DTYPE), vt.to(COMPUTE_DTYPE))
         acc = acc * alpha[:, None] + tl.dot(
             pv.to(COMPUTE_DTYPE), v, input_precision=INPUT_PRECISION, out_dtype=tl.float32
@@ -189,5 +193,8 @@ def get_attention_kernel():
 
     mode = interpreter_enabled()
     if mode not in _KERNELS:
-        _KERNELS[mode] = triton.jit(_ragged_attention)
+        # the kernel's helper jitted in the same mode, bound in a copy of this module's globals
+        scope = dict(globals(), _context_entries=triton.jit(_context_entries))
+        kernel = types.FunctionType(_ragged_attention.__code__, scope, _ragged_attention.__name__)
+        _KERNELS[mode] = triton.jit(kernel)
     return _KERNELS[mode]
