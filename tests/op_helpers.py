@@ -1,8 +1,15 @@
-"""Shared utilities of the op tests (projected_value_norm's backends): inputs, fused calls, derived error bounds.
+"""Shared utilities of the op tests: projected_value_norm's inputs, fused calls and derived error bounds; the
+ahead-of-time compilation of the Triton kernels for GPUs.
 
 Needs torch only, like the op tests themselves, so that they run on a GPU machine without kvpress.
 """
 
+import json
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from kvpress_critical.ops.projected_value_norm import PROJECTED_VALUE_NORM, projected_value_norm_ref
@@ -98,3 +105,24 @@ def small_inputs(dtype=torch.float32, bsz=2, group=3, k_len=11, head_dim=16, hid
     values = torch.randn(bsz, 2, k_len, head_dim, generator=gen).to(dtype)
     weight = (torch.randn(hidden, 2 * group * head_dim, generator=gen) / 4).to(dtype)
     return values, weight, 2 * group
+
+
+def triton_aot_rows(*args: str) -> list[dict]:
+    """The rows of ``python -m kvpress_critical.ops.triton_aot *args``: Triton kernels compiled for NVIDIA GPUs and
+    assembled with ``ptxas -v``, no GPU needed. Skips the test where Triton cannot compile for NVIDIA GPUs here.
+
+    In a subprocess without TRITON_INTERPRET: the interpreter (on in the test process) replaces what the compiler needs.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", "kvpress_critical.ops.triton_aot", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    if run.returncode != 0:
+        if "ptxas" in run.stderr or "nvidia" in run.stderr.lower():
+            pytest.skip(f"Triton cannot compile for NVIDIA GPUs ahead of time here: {run.stderr[-500:]}")
+        raise AssertionError(run.stderr[-3000:])
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]

@@ -27,14 +27,6 @@ ATTENTION_NAIVE = REPO / "kvpress_critical" / "ops" / "ragged_attention" / "naiv
 ATTENTION_LAYOUT = REPO / "kvpress_critical" / "ops" / "ragged_attention" / "layout.py"
 
 
-@pytest.fixture(scope="module")
-def ops():
-    reason = ext.cpp_availability()
-    if reason is not None:
-        pytest.skip(reason)
-    return torch.ops.kvpress_critical
-
-
 def test_every_cpu_instruction_set_matches_the_reference(ops):
     """AVX-512 (with and without the BF16 dot products), AVX2 and the generic micro-kernels of both ops against their
     float64 references (KVPRESS_CRITICAL_CPU_ISA caps the choice, read once per process): strided fp32 and bf16

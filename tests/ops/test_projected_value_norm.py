@@ -8,11 +8,7 @@ GPU-only cases skip with the reason where no CUDA device is visible; the C++ ope
 extension cannot be compiled (it is compiled here by `make test`).
 """
 
-import json
 import logging
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,12 +22,12 @@ from op_helpers import (
     make_inputs,
     run_fused,
     small_inputs,
+    triton_aot_rows,
     usable,
     variants,
 )
 
 from kvpress_critical.ops import Backend, BackendUnavailableError, triton_utils
-from kvpress_critical.ops import extension as ext
 from kvpress_critical.ops.projected_value_norm import (
     PROJECTED_VALUE_NORM,
     projected_value_norm,
@@ -303,14 +299,6 @@ def test_error_bound_catches_a_dropped_feature(norm):
 # ---- the C++ operators ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ops():
-    reason = ext.cpp_availability()
-    if reason is not None:
-        pytest.skip(reason)
-    return torch.ops.kvpress_critical
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_opcheck(ops, dtype):
     """Schemas, fake implementations, and dispatch (torch.library.opcheck's full set of checks)."""
@@ -471,22 +459,8 @@ def test_tile_table_is_keyed_on_the_device(monkeypatch, capability, sixteen_bit,
 
 @pytest.fixture(scope="module")
 def gpu_resource_usage():
-    """ptxas -v of every launcher configuration for sm_80 and sm_90, compiled ahead of time without a GPU.
-
-    In a subprocess without TRITON_INTERPRET: the interpreter (on in this process) replaces what the compiler needs.
-    """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-m", "kvpress_critical.ops.triton_aot", "--arch", "80,90"],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    if result.returncode != 0:
-        if "ptxas" in result.stderr or "nvidia" in result.stderr.lower():
-            pytest.skip(f"Triton cannot compile for NVIDIA GPUs ahead of time here: {result.stderr[-500:]}")
-        raise AssertionError(result.stderr)
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    """ptxas -v of every launcher configuration for sm_80 and sm_90, compiled ahead of time without a GPU."""
+    return triton_aot_rows("--arch", "80,90")
 
 
 @pytest.mark.usefixtures("triton_usable")

@@ -7,14 +7,12 @@ read shows as NaN. Triton runs in its interpreter on CPU (tiny shapes); flash-at
 module with flash-attn's signatures (the real kernels need a GPU: benchmarks/gpu_check.sh).
 """
 
-import json
-import os
-import subprocess
 import sys
 import types
 
 import pytest
 import torch
+from op_helpers import triton_aot_rows
 
 from kvpress_critical.ops.extension import cpp_availability
 from kvpress_critical.ops.ragged_attention import (
@@ -349,14 +347,6 @@ def test_dispatch():
 # ---- the C++ operator -------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ops():
-    reason = cpp_availability()
-    if reason is not None:
-        pytest.skip(reason)
-    return torch.ops.kvpress_critical
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("q_len", [1, 5])
 def test_opcheck(ops, dtype, q_len):
@@ -413,18 +403,7 @@ def test_triton_kernel_compiles_for_gpus_without_spilling():
 
     if RAGGED_ATTENTION["triton"].availability() is not None:
         pytest.skip(RAGGED_ATTENTION["triton"].availability())
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
-    run = subprocess.run(
-        [sys.executable, "-m", "kvpress_critical.ops.triton_aot", "--op", "ragged_attention"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    if run.returncode != 0 and ("ptxas" in run.stderr or "nvidia" in run.stderr.lower()):
-        pytest.skip(f"Triton cannot compile for NVIDIA GPUs ahead of time here: {run.stderr[-500:]}")
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    rows = triton_aot_rows("--op", "ragged_attention")
     assert len(rows) == sum(len(case[-1]) for case in RAGGED_CASES)
     assert {r["entries"] for r in rows} == {"float", "int8", "int4", "kivi4"}
     assert all(0 < r["registers"] <= 255 for r in rows)
