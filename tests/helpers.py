@@ -76,6 +76,22 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 _MODEL_CACHE: dict = {}
 
 
+def tiny_config(**overrides) -> dict:
+    """The keyword arguments of a tiny config (any family's: 256 tokens, hidden 64, 2 layers, 4 query and 2 KV
+    heads, sdpa), ``overrides`` replacing or adding fields (a sliding window, a head_dim, ...)."""
+    return {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "attn_implementation": "sdpa",
+        **overrides,
+    }
+
+
 def tiny_model(
     family: str,
     num_kv_heads: int = 2,
@@ -90,14 +106,10 @@ def tiny_model(
     key = (family, num_kv_heads, num_heads, dtype, attn_implementation, num_layers)
     if key in _MODEL_CACHE:
         return _MODEL_CACHE[key]
-    common = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
+    common = tiny_config(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=2048,
         attn_implementation=attn_implementation,
     )
     config_cls, model_cls, extra = {

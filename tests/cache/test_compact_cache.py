@@ -3,7 +3,7 @@ end to end on SmolLM2 against the masking layout (same selection: the same logit
 
 import pytest
 import torch
-from helpers import FAMILIES, tiny_model
+from helpers import FAMILIES, tiny_config, tiny_model
 from kvpress import AdaKVPress, DecodingPress, KeyRerotationPress, KnormPress, PrefillDecodingPress, SnapKVPress
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -109,17 +109,12 @@ def gemma3_with_sliding_layers():
     import transformers as tf
 
     config = tf.Gemma3TextConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=2048,
-        attn_implementation="sdpa",
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        sliding_window=16,
+        **tiny_config(
+            num_hidden_layers=3,
+            head_dim=32,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=16,
+        )
     )
     torch.manual_seed(0)
     return tf.Gemma3ForCausalLM(config).eval()
@@ -235,18 +230,7 @@ def test_windows_that_cannot_bind_are_full_attention():
     """Phi-3-mini-128k / Phi-3.5 configure sliding_window 262144 for a 131072-position model: compacted."""
     import transformers as tf
 
-    config = tf.Phi3Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        sliding_window=4096,
-        pad_token_id=0,
-        attn_implementation="sdpa",
-    )
+    config = tf.Phi3Config(**tiny_config(sliding_window=4096, pad_token_id=0))
     torch.manual_seed(0)
     model = tf.Phi3ForCausalLM(config).eval()
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(0))

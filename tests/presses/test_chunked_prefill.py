@@ -3,7 +3,7 @@ for the tokens seen after every chunk, at the entries' original positions, in ev
 
 import pytest
 import torch
-from helpers import FAMILIES, head_scores, kept_masks, tiny_model
+from helpers import FAMILIES, head_scores, kept_masks, tiny_config, tiny_model
 from kvpress import AdaKVPress, DecodingPress, KnormPress, SnapKVPress
 from transformers import DynamicCache
 
@@ -310,17 +310,7 @@ def test_pruned_caches_stay_in_position_order_and_sliding_layers_are_refused():
             assert bool((match[1:] > match[:-1]).all())
     import transformers as tf
 
-    config = tf.MistralConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        sliding_window=64,
-        attn_implementation="sdpa",
-    )
+    config = tf.MistralConfig(**tiny_config(sliding_window=64))
     windowed = tf.MistralForCausalLM(config).eval()
     with pytest.raises(NotImplementedError, match="sliding window"):
         kept_masks(windowed, ids, ChunkedPrefillPress(CriticalAdaKVPress(SnapKVPress(0.5, window_size=8)), 40))

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import FAMILIES, head_scores, kept_masks, tiny_model
+from helpers import FAMILIES, head_scores, kept_masks, tiny_config, tiny_model
 from kvpress import PrefillDecodingPress, SnapKVPress
 
 from kvpress_critical import CompactCachePress, CriticalHeadKVPress, CriticalKVPress, HeadKVPress
@@ -234,16 +234,7 @@ def planted_model():
     import transformers as tf
 
     config = tf.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rope_theta=1e9,
-        max_position_embeddings=4096,
-        attn_implementation="sdpa",
+        **tiny_config(intermediate_size=64, head_dim=16, rope_theta=1e9, max_position_embeddings=4096)
     )
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(config).eval()
