@@ -25,7 +25,14 @@ from kvpress_critical.selection.criticalkv import (
 from kvpress_critical.selection.defensivekv import defensive_scores, mass_prefix_mask
 from kvpress_critical.selection.headkv import headkv_budgets, integer_budgets, kv_head_importance
 from kvpress_critical.selection.ranking import compute_n_kept, descending_rank, global_top_mask, top_budget_mask
-from kvpress_critical.selection.scorers import knorm_scores, snapkv_scores, streaming_llm_scores, window_attention
+from kvpress_critical.selection.scorers import (
+    knorm_scores,
+    snapkv_pad_window,
+    snapkv_pooled_scores,
+    snapkv_scores,
+    streaming_llm_scores,
+    window_attention,
+)
 
 __all__ = [
     "adaptive_head_budgets",
@@ -43,6 +50,8 @@ __all__ = [
     "kv_head_importance",
     "mass_prefix_mask",
     "safeguard_budget",
+    "snapkv_pad_window",
+    "snapkv_pooled_scores",
     "snapkv_scores",
     "stage2_scores",
     "streaming_llm_scores",

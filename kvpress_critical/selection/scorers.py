@@ -71,9 +71,18 @@ def snapkv_scores(queries: torch.Tensor, keys: torch.Tensor, window_size: int, k
     window_size, kernel_size : int
         SnapKV's observation window and pooling kernel (kvpress's defaults: 64 and 5).
     """
-    bsz, num_kv_heads, k_len, head_dim = keys.shape
-    if k_len <= window_size:
+    if keys.shape[2] <= window_size:
         return torch.ones(keys.shape[:3], dtype=torch.float32, device=keys.device)
+    return snapkv_pad_window(snapkv_pooled_scores(queries, keys, window_size, kernel_size), window_size)
+
+
+def snapkv_pooled_scores(queries: torch.Tensor, keys: torch.Tensor, window_size: int, kernel_size: int) -> torch.Tensor:
+    """
+    ``(B, H_kv, T - W)`` SnapKV scores of the entries before the window, in the keys' dtype (before
+    :func:`snapkv_pad_window`). Each KV head's scores depend on its own keys and query group only, so a long prompt
+    can be scored a few KV heads at a time (the vLLM plugin bounds its memory that way) and concatenated.
+    """
+    bsz, num_kv_heads, k_len, head_dim = keys.shape
     query = queries[:, :, -window_size:].to(keys.dtype)
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
@@ -86,9 +95,12 @@ def snapkv_scores(queries: torch.Tensor, keys: torch.Tensor, window_size: int, k
     weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)[..., :-window_size]
     scores = weights.mean(dim=-2)
     scores = F.avg_pool1d(scores, kernel_size=kernel_size, padding=kernel_size // 2, stride=1)
-    scores = scores.view(bsz, num_kv_heads, group, k_len - window_size).mean(2)
-    scores = F.pad(scores, (0, window_size), value=scores.max().item() + 1)
-    return scores.float()
+    return scores.view(bsz, num_kv_heads, group, k_len - window_size).mean(2)
+
+
+def snapkv_pad_window(pooled: torch.Tensor, window_size: int) -> torch.Tensor:
+    """SnapKV's scores from :func:`snapkv_pooled_scores`: the window's entries get the maximum + 1 (of all heads)."""
+    return F.pad(pooled, (0, window_size), value=pooled.max().item() + 1).float()
 
 
 def knorm_scores(keys: torch.Tensor) -> torch.Tensor:
