@@ -1,17 +1,18 @@
-"""The attention side: a shifted view for compressed requests, and the compaction at the end of a prompt.
+"""The attention side: a shifted view for compressed requests, the queries a compaction needs, the paged layouts.
 
 The plugin's backends subclass vLLM's (``CPU_ATTN``; ``FLASH_ATTN`` on NVIDIA GPUs) and change two things:
 
 - the metadata builder gives each compressed request a view that starts after its evicted blocks: ``seq_len - E``
   and its block-table row shifted by ``E / block_size`` (positions, RoPE and the slot mapping of new tokens are
   untouched: new entries go where vLLM puts them);
-- the implementation, after the attention of the step that ends a request's prompt, reads the prompt's keys and
-  values back from the paged cache, selects each KV head's entries (:mod:`kvpress_critical_vllm.presses`) and writes
-  them into the slots of positions ``E .. N-1`` with the backend's own cache update: the paged layout may hold a
-  different position in each KV head at the same slot, since attention reads each head's own keys and values and
-  RoPE is already applied.
+- the implementation, after a layer's attention, hands the worker's state the queries of the rows that end a
+  prompt (or an earlier chunk of one) in this step: SnapKV scores the prompt's last queries. The compaction itself
+  runs after the forward pass (:meth:`kvpress_critical_vllm.worker_state.WorkerState.finish_step`), which reads and
+  writes the paged cache through the layouts below: the paged layout may hold a different position in each KV head
+  at the same slot, since attention reads each head's own keys and values and RoPE is already applied.
 
-Both do nothing unless the engine was started with the plugin's ``additional_config``.
+Both behave as vLLM's own unless the engine was started with the plugin's ``additional_config``; with it, a
+builder that was not given the worker's state refuses to build (the plugin never skips a row silently).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from collections.abc import Callable
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from kvpress_critical_vllm.worker_state import StepPlan, state_of
+from kvpress_critical_vllm.options import engine_options
+from kvpress_critical_vllm.worker_state import PluginStateError, WorkerState
 
 PLAN_ATTRIBUTE = "kvpress_critical_plan"
 
@@ -32,12 +34,20 @@ class SplitLayout:
     def __init__(self, split: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]], head_size: int):
         self.split, self.head_size = split, head_size
 
-    def read(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(n, H_kv, d)`` keys and values stored at the flat ``slots`` (``block * block_size + offset``)."""
+    def read(self, kv_cache: torch.Tensor, slots: torch.Tensor, heads: slice = slice(None)):
+        """``(n, h, d)`` keys and values of KV heads ``heads`` at the flat ``slots`` (``block * bs + offset``)."""
         key_cache, value_cache = self.split(kv_cache, self.head_size)
         block_size = key_cache.shape[1]
         blocks, offsets = slots // block_size, slots % block_size
-        return key_cache[blocks, offsets], value_cache[blocks, offsets]
+        return key_cache[blocks, offsets, heads], value_cache[blocks, offsets, heads]
+
+    def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, heads: slice, keys, values) -> None:
+        """Store ``(n, h, d)`` keys and values of KV heads ``heads`` at the flat ``slots`` (other heads untouched)."""
+        key_cache, value_cache = self.split(kv_cache, self.head_size)
+        block_size = key_cache.shape[1]
+        blocks, offsets = slots // block_size, slots % block_size
+        key_cache[blocks, offsets, heads] = keys.to(key_cache.dtype)
+        value_cache[blocks, offsets, heads] = values.to(value_cache.dtype)
 
 
 def split_flash_attn(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,13 +97,24 @@ class LearnedBlockLayout:
             raise ValueError("layout probe: some (slot, dim) of the cache was not found")
         return cls(*offsets)
 
-    def read(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _index(self, kv_cache: torch.Tensor, slots: torch.Tensor, heads: slice):
         num_blocks, num_kv_heads, block_size, width = kv_cache.shape
         flat = kv_cache.view(num_blocks, num_kv_heads, block_size * width)
-        blocks, offsets = (slots // block_size)[:, None], slots % block_size
-        keys = flat[blocks, :, self.key_offsets[offsets]]  # (n, d, H_kv)
-        values = flat[blocks, :, self.value_offsets[offsets]]
-        return keys.transpose(1, 2), values.transpose(1, 2)
+        head_ids = torch.arange(num_kv_heads, device=kv_cache.device)[heads]
+        blocks, offsets = slots // block_size, slots % block_size
+        index = (blocks[:, None, None], head_ids[None, :, None])  # (n, h, d) with the offsets below
+        return flat, index, self.key_offsets[offsets][:, None, :], self.value_offsets[offsets][:, None, :]
+
+    def read(self, kv_cache: torch.Tensor, slots: torch.Tensor, heads: slice = slice(None)):
+        """``(n, h, d)`` keys and values of KV heads ``heads`` at the flat ``slots`` (``block * bs + offset``)."""
+        flat, index, key_offsets, value_offsets = self._index(kv_cache, slots, heads)
+        return flat[(*index, key_offsets)], flat[(*index, value_offsets)]
+
+    def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, heads: slice, keys, values) -> None:
+        """Store ``(n, h, d)`` keys and values of KV heads ``heads`` at the flat ``slots`` (other heads untouched)."""
+        flat, index, key_offsets, value_offsets = self._index(kv_cache, slots, heads)
+        flat[(*index, key_offsets)] = keys.to(flat.dtype)
+        flat[(*index, value_offsets)] = values.to(flat.dtype)
 
 
 def shifted_view(cm: CommonAttentionMetadata, shift: torch.Tensor, block_size: int) -> CommonAttentionMetadata:
@@ -128,29 +149,39 @@ def shifted_view(cm: CommonAttentionMetadata, shift: torch.Tensor, block_size: i
 class CompressingBuilderMixin:
     """Plans the step for the plugin and gives compressed requests their shifted view."""
 
+    kvpress_state: WorkerState | None = None  # set by the plugin's worker once the builders exist
+
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, *args, **kwargs):
-        state = state_of(self.vllm_config)
+        state = self.kvpress_state
         if state is None:
+            if engine_options(self.vllm_config.additional_config) is not None:
+                raise PluginStateError(
+                    f"kvpress_critical: attention metadata builder {type(self).__name__} was not given the worker's "
+                    "state, so it could neither shift nor compact compressed requests; the plugin refuses rather "
+                    "than attend over freed blocks (was the worker class replaced?)"
+                )
             return super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
         block_size = self.kv_cache_spec.block_size
         plan = state.plan_step(common_attn_metadata, block_size)
         if plan.shift is not None:
             common_attn_metadata = shifted_view(common_attn_metadata, plan.shift, block_size)
         metadata = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
-        setattr(metadata, PLAN_ATTRIBUTE, plan)
+        if plan.captures:
+            setattr(metadata, PLAN_ATTRIBUTE, (state, plan))
         return metadata
 
 
 class CompressingImplMixin:
-    """Runs the backend's attention, then the plan's query saving and compaction for this layer."""
+    """Runs the backend's attention, then hands the worker's state the queries the step's plan needs."""
 
     layout_kind: str  # "learned" (probe the backend's in-block order) or "split" (SplitLayout of split_flash_attn)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         result = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        plan: StepPlan | None = getattr(attn_metadata, PLAN_ATTRIBUTE, None)
-        if plan is not None and plan.has_work:
-            plan.state.compress_layer(self, layer, query, kv_cache, plan)
+        captured = getattr(attn_metadata, PLAN_ATTRIBUTE, None)
+        if captured is not None:
+            state, plan = captured
+            state.capture(layer.layer_name, query, plan)  # (tokens, H, d)
         return result
 
     def paged_layout(self, layer, kv_cache: torch.Tensor):
@@ -165,7 +196,8 @@ class CompressingImplMixin:
 
 @torch.no_grad()
 def check_round_trip(impl, layer, kv_cache: torch.Tensor, layout) -> None:
-    """Random entries written by the backend into two scratch blocks shaped like ``kv_cache`` read back by slot."""
+    """Random entries written by the backend into two scratch blocks shaped like ``kv_cache`` read back by slot, and
+    written again by the plugin one head at a time at other slots, read back the same."""
     from kvpress_critical_vllm.engine_config import EngineConfigError
 
     scratch = torch.zeros((2, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)
@@ -178,7 +210,14 @@ def check_round_trip(impl, layer, kv_cache: torch.Tensor, layout) -> None:
     values = torch.randn(shape, generator=generator, device=kv_cache.device).to(kv_cache.dtype)
     impl.do_kv_cache_update(layer, keys, values, scratch, slots)
     got_keys, got_values = layout.read(scratch, slots)
-    if not (torch.equal(got_keys, keys) and torch.equal(got_values, values)):
+    readable = torch.equal(got_keys, keys) and torch.equal(got_values, values)
+    # the plugin's own writes (one head at a time) land where the backend's writes land
+    moved = slots.roll(1)
+    for head in range(num_kv_heads):
+        layout.write(scratch, moved, slice(head, head + 1), keys[:, head : head + 1], values[:, head : head + 1])
+    got_keys, got_values = layout.read(scratch, moved)
+    writable = torch.equal(got_keys, keys) and torch.equal(got_values, values)
+    if not (readable and writable):
         raise EngineConfigError(
             f"kvpress_critical cannot read this engine's paged KV cache back ({type(impl).__name__}, "
             f"{kv_cache.dtype}, shape {tuple(kv_cache.shape)}): entries the backend writes are not where the plugin "

@@ -1,7 +1,8 @@
 """How many entries a compressed request keeps and how many whole KV blocks it frees.
 
-Both the scheduler (which frees the blocks) and the workers (which compact the entries and shift the attention
-view) compute these from the prompt length, the options and the block size alone, so they agree without talking.
+The scheduler computes this from the prompt length, the request's options and the block size, and sends it to the
+workers with the step that compresses the request (:mod:`kvpress_critical_vllm.protocol`): workers never work out
+an eviction of their own.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ class Eviction:
 
     ``budget`` is what the transformers press keeps (kvpress's ``max(1, int(N * (1 - ratio)))``); the plugin evicts
     the largest whole number of blocks that leaves at least that, ``evicted = floor((N - budget) / bs) * bs``, so
-    every head keeps ``kept = N - evicted`` entries: between ``budget`` and ``budget + bs - 1``.
+    every head keeps ``kept = N - evicted`` entries: between ``budget`` and ``budget + bs - 1``. ``reason`` says why
+    nothing is evicted when ``evicted`` is 0.
     """
 
     n_prompt: int
     budget: int
     evicted: int
     block_size: int
+    reason: str = ""
 
     @property
     def kept(self) -> int:
@@ -42,11 +45,21 @@ class Eviction:
 
 
 def eviction(options: CompressionOptions, n_prompt: int, block_size: int) -> Eviction:
-    """The :class:`Eviction` of a request; inactive when no whole block can be freed or the press cannot score."""
-    budget = compute_n_kept(n_prompt, options.compression_ratio) if options.compression_ratio > 0 else n_prompt
-    scorable = not (
-        (options.base == "snapkv" and n_prompt <= options.window_size)
-        or (options.base == "streaming_llm" and (n_prompt <= options.n_sink or budget < options.n_sink))
-    )
-    evicted = (n_prompt - budget) // block_size * block_size if scorable else 0
-    return Eviction(n_prompt=n_prompt, budget=budget, evicted=evicted, block_size=block_size)
+    """The :class:`Eviction` of a request; inactive (with its reason) when no whole block can be freed."""
+    ratio = options.compression_ratio
+    budget = compute_n_kept(n_prompt, ratio) if ratio > 0 else n_prompt
+    reason = ""
+    if ratio == 0:
+        reason = "compression_ratio is 0"
+    elif options.base == "snapkv" and n_prompt <= options.window_size:
+        reason = f"its {n_prompt}-token prompt is not longer than SnapKV's window ({options.window_size})"
+    elif options.base == "streaming_llm" and (n_prompt <= options.n_sink or budget < options.n_sink):
+        reason = f"its {n_prompt}-token prompt leaves no room after StreamingLLM's {options.n_sink} sinks"
+    elif n_prompt - budget < block_size:
+        reason = (
+            f"at compression_ratio {ratio:g} its {n_prompt}-token prompt would evict {n_prompt - budget} entries "
+            f"per head, less than one {block_size}-token block (the plugin frees whole blocks; a smaller "
+            "block_size frees more)"
+        )
+    evicted = 0 if reason else (n_prompt - budget) // block_size * block_size
+    return Eviction(n_prompt=n_prompt, budget=budget, evicted=evicted, block_size=block_size, reason=reason)

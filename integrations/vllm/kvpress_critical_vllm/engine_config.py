@@ -1,9 +1,10 @@
 """What the engine must be for the plugin, checked when the engine's configuration is built (at start-up).
 
-Every engine feature either works with eviction after prefill (tested: chunked prefill, preemption and recompute,
-async scheduling, the CPU and GPU V1 workers, tensor parallelism within a node, torch.compile) or refuses here with
-the option that turns it off. The plugin's scheduler and worker classes are set here, from the classes the platform
-chose.
+Every engine feature either works with eviction after prefill or refuses here with the option that turns it off.
+Run by the tests, on CPU in eager mode (``enforce_eager``): chunked prefill, preemption and recompute, async
+scheduling, tensor parallelism over two CPU processes, the OpenAI-compatible server. Written for, and not yet run on
+a GPU: the GPU worker, the ``FLASH_ATTN`` backend, torch.compile and piecewise CUDA graphs (attention runs outside
+the compiled graph). The plugin's scheduler and worker classes are set here, from the classes the platform chose.
 """
 
 from __future__ import annotations
@@ -121,6 +122,19 @@ def check_engine_config(vllm_config) -> CompressionOptions | None:
             "context parallelism shards each request's tokens across ranks, and the block-aligned eviction assumes "
             "one rank holds every token",
             "Use decode_context_parallel_size=1 and prefill_context_parallel_size=1",
+        )
+    if parallel.use_ubatching:
+        raise _refuse(
+            "micro-batching (enable_dbo / ubatch_size > 1) splits a step's requests over several attention metadata "
+            "the plugin does not plan",
+            "Drop enable_dbo and ubatch_size",
+        )
+    if model is not None and parallel.tensor_parallel_size > model.get_total_num_kv_heads():
+        raise _refuse(
+            f"tensor_parallel_size={parallel.tensor_parallel_size} exceeds the model's "
+            f"{model.get_total_num_kv_heads()} KV heads, so KV heads are replicated across ranks, and each rank's "
+            "shard of o_proj would select its copy of a head differently",
+            f"Use tensor_parallel_size <= {model.get_total_num_kv_heads()}",
         )
     if parallel.data_parallel_size > 1:
         raise _refuse("data parallelism is not tested with the plugin", "Use data_parallel_size=1")

@@ -1,9 +1,20 @@
-"""What a user asks the plugin for: engine-wide options, per-request overrides, their validation.
+"""What a user asks the plugin for: engine-wide options, per-request overrides, and their validation.
 
 Engine-wide: ``additional_config={"kvpress_critical": {"press": ..., "compression_ratio": ..., ...}}``; per request:
-``SamplingParams(extra_args={"kvpress_critical": {...}})`` overrides any of them (``compression_ratio: 0`` leaves
-that request uncompressed). The OpenAI-compatible server's ``vllm_xargs`` hold flat values only, so the same overrides
-are also read from flat keys: ``{"kvpress_critical.compression_ratio": 0.75}``. This module imports neither vLLM nor
+``SamplingParams(extra_args={"kvpress_critical": {...}})`` overrides the options of :data:`REQUEST_OPTIONS`
+(``compression_ratio: 0`` leaves that request uncompressed). The OpenAI-compatible server's ``vllm_xargs`` hold flat
+values only, so the same overrides are also read from flat keys: ``{"kvpress_critical.compression_ratio": 0.75}``.
+
+Who may set what:
+
+- a request: the press, the ratio and the press's parameters (:data:`REQUEST_OPTIONS`), each within the bounds of
+  :func:`check_options`; ``window_size`` and ``kernel_size`` within the engine's ``max_window_size`` and
+  ``max_kernel_size``;
+- the engine only (:data:`ENGINE_ONLY`): the kernel backend of the projected norm (checked on the engine's device at
+  start-up), the bounds above, and ``record_selections`` (tests and analysis).
+
+A request's options are checked where vLLM checks sampling parameters, so a bad value fails in the caller (an HTTP
+400 that names the option and its allowed range) and never reaches the engine. This module imports neither vLLM nor
 kvpress.
 """
 
@@ -14,24 +25,55 @@ from typing import Any
 
 CONFIG_KEY = "kvpress_critical"
 
-# press name -> (base scorer, with CriticalKV's second stage)
-PRESSES: dict[str, tuple[str, bool]] = {
-    "critical_snapkv": ("snapkv", True),
-    "snapkv": ("snapkv", False),
-    "critical_knorm": ("knorm", True),
-    "knorm": ("knorm", False),
-    "critical_streaming_llm": ("streaming_llm", True),
-    "streaming_llm": ("streaming_llm", False),
+
+@dataclass(frozen=True)
+class PressSpec:
+    """How a press of the plugin selects: its base scorer and whether CriticalKV's second stage runs over it."""
+
+    base: str  # "snapkv", "knorm" or "streaming_llm"
+    critical: bool
+
+
+# press name -> how it selects (every KV head keeps the same number of entries)
+PRESSES: dict[str, PressSpec] = {
+    "critical_snapkv": PressSpec("snapkv", True),
+    "snapkv": PressSpec("snapkv", False),
+    "critical_knorm": PressSpec("knorm", True),
+    "knorm": PressSpec("knorm", False),
+    "critical_streaming_llm": PressSpec("streaming_llm", True),
+    "streaming_llm": PressSpec("streaming_llm", False),
 }
 
 # presses whose budgets differ per head: one block table per request cannot free their memory
 HEAD_WISE = ("adakv", "critical_adakv", "headkv", "critical_headkv", "defensivekv", "layer_defensivekv")
 
-ENGINE_ONLY = ("record_selections",)
+BACKENDS = ("auto", "torch", "cpp", "cuda", "triton")
+
+# what a request may override; the rest of CompressionOptions is the engine's
+REQUEST_OPTIONS = (
+    "press",
+    "compression_ratio",
+    "window_size",
+    "kernel_size",
+    "first_stage_ratio",
+    "epsilon",
+    "norm",
+    "n_sink",
+)
+ENGINE_ONLY = ("backend", "record_selections", "max_window_size", "max_kernel_size")
+
+# the largest bounds an engine may set: SnapKV's window is scored as a (heads, window, prompt) float32 softmax
+WINDOW_LIMIT = 4096
+KERNEL_LIMIT = 255
+N_SINK_LIMIT = 4096
 
 
 class OptionsError(ValueError):
-    """Options of the plugin that cannot be honoured; the message names the option and the fix."""
+    """Options of the plugin that cannot be honoured; the message names the option, its allowed range and the fix."""
+
+    def __init__(self, message: str, option: str | None = None):
+        super().__init__(message)
+        self.option = option
 
 
 @dataclass(frozen=True)
@@ -48,20 +90,24 @@ class CompressionOptions:
         Fraction of the prompt's entries to evict, in ``[0, 1)``; 0 leaves the request uncompressed. Each KV head
         keeps ``max(1, int(N * (1 - ratio)))`` entries of an ``N``-token prompt, rounded up to whole KV blocks.
     window_size, kernel_size : int
-        SnapKV's observation window (the prompt's last queries) and pooling kernel (odd).
+        SnapKV's observation window (the prompt's last queries) and pooling kernel (odd); at most the engine's
+        ``max_window_size`` and ``max_kernel_size``.
     first_stage_ratio : float
-        CriticalKV's stage-1 share of the budget (chosen by the base score alone).
+        CriticalKV's stage-1 share of the budget (chosen by the base score alone), in ``[0, 1]``.
     epsilon : float
-        Added to the base score in CriticalKV's stage 2.
+        Added to the base score in CriticalKV's stage 2, in ``[0, 1]``.
     norm : {"l1", "l2"}
         Norm of the projected values ``V W_O``.
     n_sink : int
         StreamingLLM's sink tokens.
     backend : str
-        Backend of :func:`kvpress_critical.projected_value_norm` (``auto``, ``torch``, ``cpp``, ``cuda``, ``triton``).
+        Engine-wide only: backend of :func:`kvpress_critical.projected_value_norm` (``auto``, ``torch``, ``cpp``,
+        ``cuda``, ``triton``), checked on the engine's device at start-up.
     record_selections : bool
         Engine-wide only: keep the kept positions of every request per (layer, KV head), for tests and analysis
-        (``LLM.collective_rpc("kvpress_critical_selections")``).
+        (``LLM.collective_rpc("kvpress_critical_selections")``, which hands them over and forgets them).
+    max_window_size, max_kernel_size : int
+        Engine-wide only: the largest ``window_size`` and ``kernel_size`` a request may ask for (default 256 and 31).
     """
 
     press: str = "critical_snapkv"
@@ -74,16 +120,22 @@ class CompressionOptions:
     n_sink: int = 4
     backend: str = "auto"
     record_selections: bool = False
+    max_window_size: int = 256
+    max_kernel_size: int = 31
+
+    @property
+    def spec(self) -> PressSpec:
+        return PRESSES[self.press]
 
     @property
     def base(self) -> str:
         """The base scorer: ``snapkv``, ``knorm`` or ``streaming_llm``."""
-        return PRESSES[self.press][0]
+        return self.spec.base
 
     @property
     def critical(self) -> bool:
         """Whether CriticalKV's two-stage selection runs over the base scores."""
-        return PRESSES[self.press][1]
+        return self.spec.critical
 
     @property
     def needs_queries(self) -> bool:
@@ -95,49 +147,86 @@ class CompressionOptions:
 
 
 _FIELDS = {f.name: f for f in fields(CompressionOptions)}
+_UNBOUNDED = 2**62  # the bounds of window_size and kernel_size before the engine is known
+_DEFAULTS = CompressionOptions()
 
 
-def _check(options: CompressionOptions, where: str) -> CompressionOptions:
-    def fail(name: str, what: str) -> OptionsError:
-        return OptionsError(f"{where}: {name}={getattr(options, name)!r} {what}")
+def _is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
-    if options.press not in PRESSES:
-        if options.press in HEAD_WISE or options.press.startswith(("adakv", "critical_adakv")):
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # NaN is not
+
+
+def check_options(options: CompressionOptions, where: str, engine: CompressionOptions | None = None) -> None:
+    """
+    Raise :class:`OptionsError` naming the first option of ``options`` that is out of its range.
+
+    ``engine`` gives the bounds of ``window_size`` and ``kernel_size`` (the engine's ``max_window_size`` and
+    ``max_kernel_size``); ``options`` itself when None (the engine's own options).
+    """
+    limits = engine if engine is not None else options
+
+    def fail(name: str, allowed: str) -> OptionsError:
+        return OptionsError(f"{where}: {name}={getattr(options, name)!r} is not allowed: {allowed}", option=name)
+
+    if not isinstance(options.press, str) or options.press not in PRESSES:
+        if isinstance(options.press, str) and (
+            options.press in HEAD_WISE or options.press.startswith(("adakv", "critical_adakv"))
+        ):
             raise OptionsError(
                 f"{where}: press={options.press!r} gives each KV head its own budget, and vLLM keeps one block "
                 "table per request (all heads of a layer share its slots), so a head-wise budget would free only "
                 "what its largest head leaves: no memory. Use a uniform press here "
                 f"({', '.join(PRESSES)}), or kvpress_critical.CompactCachePress with this press in transformers, "
-                "whose per-head layout frees head-wise budgets."
+                "whose per-head layout frees head-wise budgets.",
+                option="press",
             )
-        raise fail("press", f"is not a press of the plugin; choose one of {', '.join(PRESSES)}")
-    if not isinstance(options.compression_ratio, (int, float)) or not 0 <= options.compression_ratio < 1:
-        raise fail("compression_ratio", "must be a number in [0, 1) (0: no compression)")
-    for name in ("window_size", "kernel_size"):
-        value = getattr(options, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise fail(name, "must be a positive integer")
+        raise fail("press", f"choose one of {', '.join(PRESSES)}")
+    if not _is_number(options.compression_ratio) or not 0 <= options.compression_ratio < 1:
+        raise fail("compression_ratio", "a number in [0, 1) (0: no compression)")
+    if limits is options:  # the engine's own options (a request's bounds were checked when the engine started)
+        for name, limit in (("max_window_size", WINDOW_LIMIT), ("max_kernel_size", KERNEL_LIMIT)):
+            value = getattr(options, name)
+            if not _is_integer(value) or not 1 <= value <= limit:
+                raise fail(name, f"an integer in [1, {limit}]")
+    for name, bound in (("window_size", "max_window_size"), ("kernel_size", "max_kernel_size")):
+        value, limit = getattr(options, name), getattr(limits, bound)
+        if not _is_integer(value) or not 1 <= value <= limit:
+            odd = "an odd" if name == "kernel_size" else "an"
+            span = f"in [1, {limit}]" if limit < _UNBOUNDED else "from 1"
+            raise fail(name, f"{odd} integer {span} (up to the engine's {bound})")
     if options.kernel_size % 2 == 0:
-        raise fail("kernel_size", "must be odd (SnapKV pools with padding kernel_size // 2)")
-    if isinstance(options.n_sink, bool) or not isinstance(options.n_sink, int) or options.n_sink < 0:
-        raise fail("n_sink", "must be a non-negative integer")
-    if not isinstance(options.first_stage_ratio, (int, float)) or not 0 <= options.first_stage_ratio <= 1:
-        raise fail("first_stage_ratio", "must be in [0, 1]")
-    if not isinstance(options.epsilon, (int, float)) or options.epsilon < 0:
-        raise fail("epsilon", "must be a non-negative number")
+        raise fail("kernel_size", "an odd integer (SnapKV pools with padding kernel_size // 2)")
+    if not _is_integer(options.n_sink) or not 0 <= options.n_sink <= N_SINK_LIMIT:
+        raise fail("n_sink", f"an integer in [0, {N_SINK_LIMIT}]")
+    if not _is_number(options.first_stage_ratio) or not 0 <= options.first_stage_ratio <= 1:
+        raise fail("first_stage_ratio", "a number in [0, 1]")
+    if not _is_number(options.epsilon) or not 0 <= options.epsilon <= 1:
+        raise fail("epsilon", "a number in [0, 1]")
     if options.norm not in ("l1", "l2"):
-        raise fail("norm", "must be 'l1' or 'l2'")
-    if options.backend not in ("auto", "torch", "cpp", "cuda", "triton"):
-        raise fail("backend", "must be one of auto, torch, cpp, cuda, triton")
+        raise fail("norm", "'l1' or 'l2'")
+    if options.backend not in BACKENDS:
+        raise fail("backend", f"one of {', '.join(BACKENDS)}")
     if not isinstance(options.record_selections, bool):
-        raise fail("record_selections", "must be true or false")
-    return options
+        raise fail("record_selections", "true or false")
 
 
 def _unknown(values: dict, allowed, where: str) -> None:
     unknown = sorted(set(values) - set(allowed))
-    if unknown:
-        raise OptionsError(f"{where}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(allowed))}")
+    if not unknown:
+        return
+    engine_only = [name for name in unknown if name in ENGINE_ONLY]
+    if engine_only and len(engine_only) == len(unknown):
+        raise OptionsError(
+            f"{where}: {', '.join(engine_only)} can only be set for the whole engine "
+            f"(additional_config[{CONFIG_KEY!r}]); a request may set {', '.join(sorted(allowed))}",
+            option=engine_only[0],
+        )
+    raise OptionsError(
+        f"{where}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(allowed))}", option=unknown[0]
+    )
 
 
 def engine_options(additional_config: Any) -> CompressionOptions | None:
@@ -157,9 +246,15 @@ def engine_options(additional_config: Any) -> CompressionOptions | None:
     if "compression_ratio" not in values:
         raise OptionsError(
             f"{where} needs compression_ratio (a number in [0, 1); 0 compresses only the requests that set one "
-            "in SamplingParams(extra_args={'kvpress_critical': {'compression_ratio': ...}}))"
+            "in SamplingParams(extra_args={'kvpress_critical': {'compression_ratio': ...}}))",
+            option="compression_ratio",
         )
-    return _check(CompressionOptions(**values), where)
+    options = CompressionOptions(**values)
+    check_options(options, where)
+    return options
+
+
+REQUEST_WHERE = f"SamplingParams.extra_args[{CONFIG_KEY!r}]"
 
 
 def request_overrides(extra_args: Any) -> dict[str, Any]:
@@ -169,27 +264,33 @@ def request_overrides(extra_args: Any) -> dict[str, Any]:
     """
     if not isinstance(extra_args, dict):
         return {}
-    where = f"SamplingParams.extra_args[{CONFIG_KEY!r}]"
     values = extra_args.get(CONFIG_KEY, {})
     if not isinstance(values, dict):
-        raise OptionsError(f"{where} must be a dict of options, got {type(values).__name__}")
+        raise OptionsError(f"{REQUEST_WHERE} must be a dict of options, got {type(values).__name__}")
     prefix = f"{CONFIG_KEY}."
     flat = {key[len(prefix) :]: value for key, value in extra_args.items() if key.startswith(prefix)}
     values = {**values, **flat}
-    _unknown(values, set(_FIELDS) - set(ENGINE_ONLY), where)
+    _unknown(values, REQUEST_OPTIONS, REQUEST_WHERE)
     return values
 
 
 def resolve_options(engine: CompressionOptions, extra_args: Any) -> CompressionOptions:
-    """One request's options: the engine's, overridden by its ``extra_args`` (validated)."""
+    """One request's options: the engine's, overridden by its ``extra_args``, checked against the engine's bounds."""
     overrides = request_overrides(extra_args)
     if not overrides:
         return engine
-    return _check(replace(engine, **overrides), f"SamplingParams.extra_args[{CONFIG_KEY!r}]")
+    options = replace(engine, **overrides)
+    check_options(options, REQUEST_WHERE, engine)
+    return options
 
 
 def validate_request_overrides(extra_args: Any) -> None:
-    """Check a request's overrides on their own (before the engine's options are known): names and values."""
+    """
+    Check a request's overrides before the engine is known (names, types, ranges but the engine's bounds on
+    ``window_size`` and ``kernel_size``, which :func:`resolve_options` checks where the engine's configuration is at
+    hand, so that the message gives the engine's own bound).
+    """
     overrides = request_overrides(extra_args)
     if overrides:
-        _check(replace(CompressionOptions(), **overrides), f"SamplingParams.extra_args[{CONFIG_KEY!r}]")
+        unbounded = replace(_DEFAULTS, max_window_size=_UNBOUNDED, max_kernel_size=_UNBOUNDED)
+        check_options(replace(unbounded, **overrides), REQUEST_WHERE, unbounded)

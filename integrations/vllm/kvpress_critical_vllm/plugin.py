@@ -1,13 +1,16 @@
 """The ``vllm.general_plugins`` entry point: loaded by vLLM in every process (API server, engine core, workers).
 
-:func:`register` does two things, and nothing else until an engine asks for the plugin:
+:func:`register` does three things, and nothing else until an engine asks for the plugin:
 
 - engine configurations built from ``EngineArgs`` pass through
   :func:`kvpress_critical_vllm.engine_config.check_engine_config` (the plugin's options are checked, unsupported
   engine features refused, the plugin's scheduler and worker set) when their ``additional_config`` holds
   ``"kvpress_critical"``;
-- ``SamplingParams`` check their ``extra_args["kvpress_critical"]`` overrides when they are built, so that a bad
-  request fails in the caller (an HTTP 400 in the server), not in the engine.
+- a request's ``extra_args["kvpress_critical"]`` overrides are checked where vLLM checks sampling parameters: their
+  names, types and ranges when ``SamplingParams`` are built, and against the engine's bounds when the engine's input
+  processor validates the request, so that a bad request fails in the caller (an HTTP 400 naming the option and its
+  allowed range in the server), never in the engine;
+- the plugin's counters are exposed on the server's ``/metrics`` (:mod:`kvpress_critical_vllm.metrics`).
 """
 
 from __future__ import annotations
@@ -25,9 +28,14 @@ def register() -> None:
     _REGISTERED = True
     from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from kvpress_critical_vllm.metrics import register_collector
 
     EngineArgs.create_engine_config = _checked_engine_config(EngineArgs.create_engine_config)
     SamplingParams._verify_extra_args = _checked_extra_args(SamplingParams._verify_extra_args)
+    InputProcessor._validate_params = _checked_for_the_engine(InputProcessor._validate_params)
+    register_collector()
 
 
 def _checked_engine_config(create_engine_config):
@@ -53,6 +61,27 @@ def _checked_extra_args(verify_extra_args):
         try:
             validate_request_overrides(self.extra_args)
         except OptionsError as error:
-            raise VLLMValidationError(str(error), parameter=f"extra_args.{CONFIG_KEY}") from error
+            raise VLLMValidationError(str(error), parameter=f"{CONFIG_KEY}.{error.option}") from error
+
+    return wrapper
+
+
+def _checked_for_the_engine(validate_params):
+    @functools.wraps(validate_params)
+    def wrapper(self, params, *args, **kwargs):
+        result = validate_params(self, params, *args, **kwargs)
+        from vllm.exceptions import VLLMValidationError
+        from vllm.sampling_params import SamplingParams
+
+        from kvpress_critical_vllm.options import CONFIG_KEY, OptionsError, engine_options, resolve_options
+
+        if isinstance(params, SamplingParams) and params.extra_args:
+            engine = engine_options(self.vllm_config.additional_config)
+            if engine is not None:
+                try:
+                    resolve_options(engine, params.extra_args)
+                except OptionsError as error:
+                    raise VLLMValidationError(str(error), parameter=f"{CONFIG_KEY}.{error.option}") from error
+        return result
 
     return wrapper

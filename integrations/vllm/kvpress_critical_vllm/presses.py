@@ -4,9 +4,15 @@ The base scores come from :mod:`kvpress_critical.selection.scorers` (checked bit
 Knorm and StreamingLLM presses), CriticalKV's two stages from :mod:`kvpress_critical.selection.criticalkv`, the
 projected-value norms from :func:`kvpress_critical.projected_value_norm`: the same calls
 ``CriticalKVPress(SnapKVPress(...)).keep_mask(..., n_kept)`` makes in transformers.
+
+Memory: a layer is scored a few KV heads at a time (every score here depends on one KV head's keys, values and
+query group), so what a compaction holds beside the model is bounded by :func:`compaction_bytes` for a chunk of
+heads, not by the whole layer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -15,20 +21,48 @@ from kvpress_critical.selection import (
     critical_scores,
     first_stage_budget,
     knorm_scores,
-    snapkv_scores,
+    snapkv_pad_window,
+    snapkv_pooled_scores,
     streaming_llm_scores,
     top_budget_mask,
 )
 from kvpress_critical_vllm.options import CompressionOptions
 
+# the largest working set of one chunk of KV heads (heads are scored together while it fits)
+CHUNK_BYTES = 256 * 2**20
+
+Reader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]  # (first, end) KV heads -> (N, h, d) keys, values
+
+
+def compaction_bytes(n_prompt: int, heads: int, group: int, head_size: int, itemsize: int, window: int) -> int:
+    """
+    Bytes a compaction holds for ``heads`` KV heads of one layer (beyond the scores kept per layer, ``12 * N`` bytes
+    per KV head): the keys and values read back (``2 N h d e``), SnapKV's keys repeated over the query group and its
+    window attention (``G h N (d e + W (4 + 3 e))``, the float32 softmax and three tensors in the model's dtype),
+    and the slot indices (``24 N``), ``e`` the cache's bytes per element.
+    """
+    read_back = 2 * n_prompt * heads * head_size * itemsize
+    window_attention = group * heads * n_prompt * (head_size * itemsize + window * (4 + 3 * itemsize)) if window else 0
+    return read_back + window_attention + 24 * n_prompt
+
+
+def heads_per_chunk(
+    options: CompressionOptions, n_prompt: int, num_kv_heads: int, group: int, head_size: int, itemsize: int
+) -> int:
+    """How many KV heads are scored together: all of them while :data:`CHUNK_BYTES` holds them, else fewer."""
+    window = options.window_size if options.needs_queries else 0
+    per_head = compaction_bytes(n_prompt, 1, group, head_size, itemsize, window)
+    return max(1, min(num_kv_heads, CHUNK_BYTES // max(per_head, 1)))
+
 
 def keep_positions(
     options: CompressionOptions,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    read: Reader,
+    num_kv_heads: int,
     n_keep: int,
     queries: torch.Tensor | None = None,
     o_proj_weight: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """
     ``(H_kv, n_keep)`` positions each KV head keeps, ascending.
@@ -37,30 +71,61 @@ def keep_positions(
     ----------
     options : CompressionOptions
         The request's press and its parameters.
-    keys, values : torch.Tensor
-        ``(N, H_kv, d)`` post-RoPE keys and the values of the whole prompt, as the paged cache holds them.
+    read : callable
+        ``read(first, end)`` returns the ``(N, end - first, d)`` post-RoPE keys and the values of the whole prompt for
+        KV heads ``first .. end - 1``, as the paged cache holds them.
+    num_kv_heads : int
+        KV heads of the layer (on this rank).
     n_keep : int
         Entries per head (``Eviction.kept``).
     queries : torch.Tensor, optional
         ``(W, H, d)`` post-RoPE queries of the prompt's last ``W >= window_size`` positions (SnapKV-based presses).
     o_proj_weight : torch.Tensor, optional
         ``(D, H * d)`` output projection of the layer (this rank's shard under tensor parallelism), for CriticalKV.
+    chunk : int, optional
+        KV heads scored together (all of them when None).
     """
-    keys_b = keys.permute(1, 0, 2).unsqueeze(0)  # (1, H_kv, N, d)
-    if options.base == "snapkv":
-        if queries is None:
-            raise ValueError("SnapKV-based presses need the prompt's window queries")
-        base = snapkv_scores(queries.permute(1, 0, 2).unsqueeze(0), keys_b, options.window_size, options.kernel_size)
-    elif options.base == "knorm":
-        base = knorm_scores(keys_b)
-    else:
-        base = streaming_llm_scores(keys_b, n_keep, options.n_sink)
+    if options.needs_queries and queries is None:
+        raise ValueError("SnapKV-based presses need the prompt's window queries")
+    if options.critical and o_proj_weight is None:
+        raise ValueError("CriticalKV needs the layer's output projection")
+    chunk = chunk or num_kv_heads
+    base_parts, norm_parts = [], []
+    for first in range(0, num_kv_heads, chunk):
+        end = min(first + chunk, num_kv_heads)
+        keys, values = read(first, end)  # (N, h, d)
+        n_prompt, _, head_size = keys.shape
+        keys_b = keys.permute(1, 0, 2).unsqueeze(0)  # (1, h, N, d)
+        if options.base == "snapkv":
+            group = queries.shape[1] // num_kv_heads
+            window_queries = queries[:, first * group : end * group].permute(1, 0, 2).unsqueeze(0)  # (1, G h, W, d)
+            if n_prompt <= options.window_size:
+                base_parts.append(torch.ones(1, end - first, n_prompt, device=keys.device))
+            else:
+                base_parts.append(
+                    snapkv_pooled_scores(window_queries, keys_b, options.window_size, options.kernel_size)
+                )
+        elif options.base == "knorm":
+            base_parts.append(knorm_scores(keys_b))
+        else:
+            base_parts.append(streaming_llm_scores(keys_b, n_keep, options.n_sink))
+        if options.critical:
+            values_b = values.permute(1, 0, 2).unsqueeze(0)
+            group_size = o_proj_weight.shape[1] // head_size // num_kv_heads
+            columns = slice(first * group_size * head_size, end * group_size * head_size)
+            norm_parts.append(
+                projected_value_norm(
+                    values_b, o_proj_weight[:, columns], (end - first) * group_size, norm=options.norm,
+                    backend=options.backend,
+                )
+            )  # fmt: skip
+        del keys, values, keys_b
+    base = torch.cat(base_parts, dim=1)
+    if options.base == "snapkv" and base.shape[-1] + options.window_size == n_prompt:
+        base = snapkv_pad_window(base, options.window_size)  # the window: the maximum over every head + 1
+    base = base.float()
     if options.critical:
-        if o_proj_weight is None:
-            raise ValueError("CriticalKV needs the layer's output projection")
-        values_b = values.permute(1, 0, 2).unsqueeze(0)
-        heads = o_proj_weight.shape[1] // values.shape[-1]
-        norms = projected_value_norm(values_b, o_proj_weight, heads, norm=options.norm, backend=options.backend)
+        norms = torch.cat(norm_parts, dim=1)
         scores = critical_scores(base, norms, first_stage_budget(n_keep, options.first_stage_ratio), options.epsilon)
     else:
         scores = base

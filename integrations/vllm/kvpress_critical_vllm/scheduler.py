@@ -1,34 +1,46 @@
-"""The scheduler side: free a compressed request's evicted blocks once its prefill has run, and log it.
+"""The scheduler side: decide which requests are compressed, direct the workers, free blocks the workers confirm.
 
-After the step that ends a request's prompt has run, the workers have moved every KV head's kept entries into the
-slots of positions ``E .. N-1`` (``E`` = :attr:`~kvpress_critical_vllm.budget.Eviction.evicted`); the blocks of
-positions ``0 .. E-1`` then hold nothing the request reads, and go back to vLLM's pool (replaced by the null block
-in the request's block table, as vLLM's sliding-window manager does). The request's positions keep counting from
-``N``. A preempted request is recomputed with its prompt as one prefill (its chunks stop at ``N``) and compressed
-again, so it resumes over the same cache it had.
+For each request, from its options and prompt length (:func:`kvpress_critical_vllm.budget.eviction`): either an
+eviction of ``E`` positions (whole blocks), or a reason to leave it uncompressed, said once in vLLM's log. With the
+step whose scheduled tokens end the prompt, the scheduler sends the workers a compaction directive
+(:mod:`kvpress_critical_vllm.protocol`); the workers move every KV head's kept entries into the slots of positions
+``E .. N-1`` and report back. Only then are the blocks of positions ``0 .. E-1`` freed (replaced by the null block in
+the request's block table, as vLLM's sliding-window manager does): a request the workers did not compact keeps
+every block and runs uncompressed. The request's positions keep counting from ``N``. A preempted request is
+recomputed with its prompt as one prefill (its chunks stop at ``N``) and compressed again, so it resumes over the
+same cache it had. Requests whose prompt can still grow (streaming input) are left uncompressed.
+
+What it did is reported three ways: one log line per request, a bounded window of records
+(``scheduler.kvpress_records``, in-process engines), and counters for the server's ``/metrics``
+(:mod:`kvpress_critical_vllm.metrics`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from kvpress_critical_vllm.budget import Eviction, eviction
 from kvpress_critical_vllm.engine_config import EngineConfigError
-from kvpress_critical_vllm.options import CompressionOptions, engine_options, resolve_options
+from kvpress_critical_vllm.metrics import MetricsWriter
+from kvpress_critical_vllm.options import CompressionOptions, OptionsError, engine_options, resolve_options
+from kvpress_critical_vllm.protocol import DIRECTIVES_ATTRIBUTE, REPORT_ATTRIBUTE, Compact, StepDirectives
 
 # under vLLM's logger, so that the lines appear in vLLM's log at its level (VLLM_LOGGING_LEVEL)
 logger = logging.getLogger(f"vllm.{__name__}")
 
+RECORDS_KEPT = 1024  # the latest compressed requests kept in scheduler.kvpress_records
+
 
 @dataclass
 class CompressionRecord:
-    """What happened to one request (``LLM.llm_engine`` in-process, or the log line, report it)."""
+    """What happened to one compressed request (``scheduler.kvpress_records`` in-process, or the log line)."""
 
     request_id: str
     press: str
@@ -40,8 +52,32 @@ class CompressionRecord:
     preemptions: int
 
 
+class BoundedRecords(OrderedDict):
+    """The latest ``maxlen`` records by request id (older ones are dropped: counters keep the totals)."""
+
+    def __init__(self, maxlen: int):
+        super().__init__()
+        self.maxlen = maxlen
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.maxlen:
+            self.popitem(last=False)
+
+
+@dataclass
+class Tracked:
+    """The plugin's view of one request, from its arrival to its end."""
+
+    options: CompressionOptions
+    eviction: Eviction
+    directed_at: int | None = None  # the request's num_preemptions when its compaction was sent
+    compacted_at: int | None = None  # ... and when it was confirmed
+
+
 class CompressingSchedulerMixin:
-    """Frees the evicted blocks of compressed requests; keeps a resumed request's prompt chunks within the prompt."""
+    """Plans each request's compression, sends the workers their directives, frees the blocks they confirm."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -54,87 +90,222 @@ class CompressingSchedulerMixin:
                 f"{specs}, and the plugin evicts from one group of full-attention layers. Serve a model whose "
                 "layers are all full attention."
             )
-        self.kvpress_block_size = groups[0].kv_cache_spec.block_size
-        self._kvpress_evictions: dict[str, Eviction] = {}
-        self._kvpress_options_of: dict[str, CompressionOptions] = {}
-        self._kvpress_logged: set[tuple[str, int]] = set()
-        self.kvpress_records: dict[str, CompressionRecord] = {}
+        spec = groups[0].kv_cache_spec
+        self.kvpress_block_size = spec.block_size
+        self._kvpress_layers = len(groups[0].layer_names)
+        self._kvpress_kv_heads = spec.num_kv_heads
+        self._kvpress: dict[str, Tracked] = {}
+        self.kvpress_records: BoundedRecords = BoundedRecords(RECORDS_KEPT)
+        self.kvpress_metrics = MetricsWriter(self.vllm_config)
+        self._kvpress_worker_tracked = 0
+        logger.info(
+            "kvpress_critical: blocks of %d tokens: a compressed request keeps up to %d entries per KV head over its "
+            "budget, and a prompt that would evict less than one block stays uncompressed",
+            self.kvpress_block_size,
+            self.kvpress_block_size - 1,
+        )
+
+    # ------------------------------------------------------------------------------------------------- requests
+    @property
+    def kvpress_tracked_requests(self) -> int:
+        """Requests the plugin keeps state for in the scheduler (0 when idle)."""
+        return len(self._kvpress)
+
+    def _leave_uncompressed(self, request_id: str, why: str, kind: str = "not_compacted") -> None:
+        """Say once, in the log and the counters (``kind``), why a request keeps its whole cache."""
+        self.kvpress_metrics.uncompressed(kind)
+        log = logger.debug if kind == "ratio_zero" else logger.info  # a request asking for no compression: quiet
+        log("kvpress_critical: request %s stays uncompressed: %s", request_id, why)
 
     def add_request(self, request: Request) -> None:
-        if request.request_id not in self.requests and request.sampling_params is not None:
-            options = resolve_options(self.kvpress_options, request.sampling_params.extra_args)
-            plan = eviction(options, request.num_prompt_tokens, self.kvpress_block_size)
-            if plan.active:
-                self._kvpress_evictions[request.request_id] = plan
-            self._kvpress_options_of[request.request_id] = options
+        request_id = request.request_id
+        if request_id not in self.requests and request.sampling_params is not None:
+            self._plan_request(request)
         super().add_request(request)
 
-    def schedule(self, *args, **kwargs):
-        self._free_evicted_blocks()
-        return super().schedule(*args, **kwargs)
-
-    def _free_evicted_blocks(self) -> None:
-        """Free ``[0, E / bs)`` of every running request whose compressing step has run (idempotent)."""
-        if not self._kvpress_evictions:
+    def _plan_request(self, request: Request) -> None:
+        request_id = request.request_id
+        try:
+            options = resolve_options(self.kvpress_options, request.sampling_params.extra_args)
+        except OptionsError as error:  # checked in the caller already; a client that skipped it gets no compression
+            self._leave_uncompressed(request_id, f"its options are invalid ({error})", "invalid_options")
             return
-        managers = self.kv_cache_manager.coordinator.single_type_managers
-        for request in self.running:
-            plan = self._kvpress_evictions.get(request.request_id)
-            if plan is None:
+        if request.resumable:
+            if options.compression_ratio > 0:
+                why = "its prompt can still grow (streaming input), and the plugin compresses a whole prompt"
+                self._leave_uncompressed(request_id, why, "streaming_input")
+            return
+        plan = eviction(options, request.num_prompt_tokens, self.kvpress_block_size)
+        if not plan.active:
+            kind = "ratio_zero" if options.compression_ratio == 0 else "short_prompt"
+            self._leave_uncompressed(request_id, plan.reason, kind)
+            return
+        self._kvpress[request_id] = Tracked(options, plan)
+        self.kvpress_metrics.tracked(len(self._kvpress), self._kvpress_worker_tracked)
+
+    def _forget(self, request_id: str) -> None:
+        if self._kvpress.pop(request_id, None) is not None:
+            self.kvpress_metrics.tracked(len(self._kvpress), self._kvpress_worker_tracked)
+
+    def _free_request(self, request: Request, *args, **kwargs):
+        self._forget(request.request_id)
+        return super()._free_request(request, *args, **kwargs)
+
+    # -------------------------------------------------------------------------------------------------- schedule
+    def schedule(self, *args, **kwargs):
+        output = super().schedule(*args, **kwargs)
+        if self._kvpress:
+            directives = self._directives(output)
+            if directives:
+                setattr(output, DIRECTIVES_ATTRIBUTE, directives)
+        return output
+
+    def _directives(self, output) -> StepDirectives:
+        directives = StepDirectives()
+        for request_id, scheduled in output.num_scheduled_tokens.items():
+            tracked = self._kvpress.get(request_id)
+            if tracked is None:
                 continue
-            processed = request.num_computed_tokens - request.num_in_flight_tokens
-            if processed < plan.n_prompt:
-                continue
-            blocks_before = len(managers[0].req_to_blocks.get(request.request_id, ()))
-            for manager in managers:
-                manager._remove_blocks_in_range(request.request_id, 0, plan.evicted // manager.block_size)
-            key = (request.request_id, request.num_preemptions)
-            if key not in self._kvpress_logged:
-                self._kvpress_logged.add(key)
-                options = self._kvpress_options_of[request.request_id]
-                record = CompressionRecord(
-                    request_id=request.request_id,
-                    press=options.press,
-                    compression_ratio=options.compression_ratio,
-                    prompt_tokens=plan.n_prompt,
-                    kept_per_head=plan.kept,
-                    blocks_freed=plan.blocks_freed,
-                    blocks_before=blocks_before,
-                    preemptions=request.num_preemptions,
-                )
-                self.kvpress_records[request.request_id] = record
-                logger.info(
-                    "kvpress_critical: request %s: prompt %d tokens, %d entries kept per KV head (%s, "
-                    "compression_ratio %.3g, budget %d), %d of %d blocks freed%s",
-                    request.request_id,
-                    plan.n_prompt,
-                    plan.kept,
-                    options.press,
-                    options.compression_ratio,
-                    plan.budget,
-                    plan.blocks_freed,
-                    blocks_before,
-                    f" (after {request.num_preemptions} preemption(s))" if request.num_preemptions else "",
-                )
+            request = self.requests[request_id]
+            generation = request.num_preemptions
+            if tracked.compacted_at == generation or tracked.directed_at == generation:
+                continue  # compacted in this life of the request, or about to be
+            plan = tracked.eviction
+            end = request.num_computed_tokens  # already advanced past this step's tokens
+            start = end - scheduled
+            if end == plan.n_prompt:
+                tracked.directed_at = generation
+                directives.compact[request_id] = Compact(request_id, tracked.options, plan)
+            elif start < plan.n_prompt < end:  # the scheduler's chunks stop at the prompt's end: never expected
+                self._forget(request_id)
+                self._leave_uncompressed(request_id, f"a step ran past its prompt's end ({start}..{end - 1})")
+            elif tracked.options.needs_queries and plan.n_prompt - tracked.options.window_size < end < plan.n_prompt:
+                directives.save_queries[request_id] = tracked.options.window_size
+        return directives
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
-        plan = self._kvpress_evictions.get(request.request_id)
-        if plan is not None and num_computed_tokens < plan.n_prompt < num_computed_tokens + num_new_tokens:
+        tracked = self._kvpress.get(request.request_id)
+        if (
+            tracked is not None
+            and num_computed_tokens < tracked.eviction.n_prompt < num_computed_tokens + num_new_tokens
+        ):
             # a resumed request recomputes prompt + output: compress after the prompt, then attend over the
             # compressed cache for the outputs, as the request did before it was preempted
-            num_new_tokens = plan.n_prompt - num_computed_tokens
+            num_new_tokens = tracked.eviction.n_prompt - num_computed_tokens
         return num_new_tokens
 
-    def _free_request(self, request: Request, *args, **kwargs):
-        self._kvpress_evictions.pop(request.request_id, None)
-        self._kvpress_options_of.pop(request.request_id, None)
-        return super()._free_request(request, *args, **kwargs)
+    # ---------------------------------------------------------------------------------------------------- output
+    def update_from_output(self, scheduler_output, model_runner_output):
+        directives = getattr(scheduler_output, DIRECTIVES_ATTRIBUTE, None)
+        report = getattr(model_runner_output, REPORT_ATTRIBUTE, None)
+        if report is not None:
+            self._kvpress_worker_tracked = report.tracked_requests
+        broken = self._apply_report(directives, report) if directives is not None and directives.compact else []
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if broken:
+            self._end_broken(broken, outputs)
+        self.kvpress_metrics.tracked(len(self._kvpress), self._kvpress_worker_tracked)
+        self.kvpress_metrics.flush(force=not self.has_unfinished_requests())
+        return outputs
+
+    def finish_requests(self, *args, **kwargs):
+        result = super().finish_requests(*args, **kwargs)
+        self.kvpress_metrics.tracked(len(self._kvpress), self._kvpress_worker_tracked)
+        self.kvpress_metrics.flush(force=not self.has_unfinished_requests())
+        return result
+
+    def _apply_report(self, directives: StepDirectives, report) -> list[str]:
+        """Free the blocks of each compaction the workers confirm and leave the others whole; the requests a worker
+        changed in part (to be ended with an error) are returned."""
+        broken = []
+        for request_id, directive in directives.compact.items():
+            request = self.requests.get(request_id)
+            tracked = self._kvpress.get(request_id)
+            if request is None or tracked is None or request.is_finished():
+                continue  # finished meanwhile: its blocks went back with it
+            if report is None:
+                self._forget(request_id)
+                self._leave_uncompressed(request_id, "the workers sent no report for its compaction step")
+                continue
+            if request_id in report.broken:
+                broken.append(request_id)
+                self._forget(request_id)
+                self._leave_uncompressed(request_id, f"{report.broken[request_id]}; it ends with an error")
+                continue
+            done = report.compacted.get(request_id)
+            if done is None:
+                self._forget(request_id)
+                self._leave_uncompressed(
+                    request_id, report.uncompressed.get(request_id, "the workers did not compact it")
+                )
+                continue
+            if tracked.directed_at != request.num_preemptions or done.evicted != directive.eviction.evicted:
+                continue  # preempted since the directive was sent: its blocks were all freed, it is redone later
+            self._free_evicted(request, tracked)
+        return broken
+
+    def _end_broken(self, request_ids: list[str], outputs: dict) -> None:
+        """End requests whose cache a failed compaction changed in part, with an error their client receives."""
+        from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+
+        live = [rid for rid in request_ids if rid in self.requests and not self.requests[rid].is_finished()]
+        for request in self.finish_requests(live, RequestStatus.FINISHED_ERROR):
+            ended = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=request.get_finished_reason(),
+                events=request.take_events(),
+                trace_headers=request.trace_headers,
+            )
+            outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(ended)
+
+    def _free_evicted(self, request: Request, tracked: Tracked) -> None:
+        plan = tracked.eviction
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        blocks_before = len(managers[0].req_to_blocks.get(request.request_id, ()))
+        for manager in managers:
+            manager._remove_blocks_in_range(request.request_id, 0, plan.evicted // manager.block_size)
+        tracked.compacted_at = request.num_preemptions
+        options = tracked.options
+        record = CompressionRecord(
+            request_id=request.request_id,
+            press=options.press,
+            compression_ratio=options.compression_ratio,
+            prompt_tokens=plan.n_prompt,
+            kept_per_head=plan.kept,
+            blocks_freed=plan.blocks_freed,
+            blocks_before=blocks_before,
+            preemptions=request.num_preemptions,
+        )
+        self.kvpress_records[request.request_id] = record
+        self.kvpress_metrics.compressed(
+            prompt_tokens=plan.n_prompt,
+            entries_kept=plan.kept * self._kvpress_kv_heads * self._kvpress_layers,
+            blocks_freed=plan.blocks_freed,
+        )
+        logger.info(
+            "kvpress_critical: request %s: prompt %d tokens, %d entries kept per KV head (%s, compression_ratio "
+            "%.3g, budget %d), %d of %d blocks freed%s",
+            request.request_id,
+            plan.n_prompt,
+            plan.kept,
+            options.press,
+            options.compression_ratio,
+            plan.budget,
+            plan.blocks_freed,
+            blocks_before,
+            f" (after {request.num_preemptions} preemption(s))" if request.num_preemptions else "",
+        )
+
+    def shutdown(self) -> None:
+        self.kvpress_metrics.close()
+        super().shutdown()
 
 
 class CriticalKVScheduler(CompressingSchedulerMixin, Scheduler):
-    """vLLM's scheduler with the plugin's block freeing (``async_scheduling=False``)."""
+    """vLLM's scheduler with the plugin's compression (``async_scheduling=False``)."""
 
 
 class CriticalKVAsyncScheduler(CompressingSchedulerMixin, AsyncScheduler):
-    """vLLM's async scheduler with the plugin's block freeing (the default)."""
+    """vLLM's async scheduler with the plugin's compression (the default)."""

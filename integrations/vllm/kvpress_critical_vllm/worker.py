@@ -1,18 +1,56 @@
 """The plugin's workers: vLLM's CPU and GPU workers, with the plugin's attention backends and per-worker state.
 
 Set as ``parallel_config.worker_cls`` by :func:`kvpress_critical_vllm.engine_config.check_engine_config`; each
-rank of a tensor-parallel engine selects its own KV heads with its own shard of ``o_proj``.
+rank of a tensor-parallel engine selects its own KV heads with its own shard of ``o_proj``. At start-up the worker
+checks what the scheduler takes for granted (every compressed layer runs a plugin backend whose cache the plugin
+reads and writes exactly, the attention kernel's block size is the cache's, the projected norm's backend runs on
+this device) and refuses to start otherwise. Each step it carries out the scheduler's directives and answers with a
+report (:mod:`kvpress_critical_vllm.protocol`).
 """
 
 from __future__ import annotations
 
-from kvpress_critical_vllm.attention import CompressingImplMixin, register_backends
+from copy import copy
+
+import torch
+
+from kvpress_critical_vllm.attention import CompressingBuilderMixin, CompressingImplMixin, register_backends
 from kvpress_critical_vllm.engine_config import EngineConfigError
+from kvpress_critical_vllm.protocol import REPORT_ATTRIBUTE, StepReport
 from kvpress_critical_vllm.worker_state import WorkerState
 
 
+def with_report(output, report: StepReport):
+    """``output`` (a ``ModelRunnerOutput``, or an async one) carrying ``report``, without touching vLLM's shared empty
+    output."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
+
+    if isinstance(output, AsyncModelRunnerOutput):
+        return __getattr__("ReportingAsyncOutput")(output, report)
+    if isinstance(output, ModelRunnerOutput):
+        if output is EMPTY_MODEL_RUNNER_OUTPUT:
+            output = copy(output)
+        setattr(output, REPORT_ATTRIBUTE, report)
+    return output
+
+
+def _reporting_async_output():
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    class ReportingAsyncOutput(AsyncModelRunnerOutput):
+        """An async output whose result carries the plugin's report for its step."""
+
+        def __init__(self, inner, report: StepReport):
+            self.inner, self.report = inner, report
+
+        def get_output(self):
+            return with_report(self.inner.get_output(), self.report)
+
+    return ReportingAsyncOutput
+
+
 class CompressingWorkerMixin:
-    """Registers the attention backends, binds the model's output projections, checks the paged cache."""
+    """Registers the attention backends, binds the model's output projections, checks the paged cache, runs steps."""
 
     kvpress_state: WorkerState
 
@@ -20,6 +58,7 @@ class CompressingWorkerMixin:
         register_backends()
         result = super().init_device(*args, **kwargs)
         self.kvpress_state = WorkerState(self.vllm_config, self.model_runner)
+        self.kvpress_state.tp_size = self.vllm_config.parallel_config.tensor_parallel_size
         return result
 
     def load_model(self, *args, **kwargs):
@@ -30,12 +69,18 @@ class CompressingWorkerMixin:
     def initialize_from_config(self, *args, **kwargs):
         result = super().initialize_from_config(*args, **kwargs)
         self._check_attention_layers()
+        self._check_projected_norm_backend()
         return result
 
+    def _attention_layers(self) -> dict:
+        return self.vllm_config.compilation_config.static_forward_context
+
     def _check_attention_layers(self) -> None:
-        """Every compressed layer runs a plugin backend, whose cache the plugin reads back exactly (probed)."""
-        context = self.vllm_config.compilation_config.static_forward_context
-        for name in self.kvpress_state.o_proj:
+        """Every compressed layer runs a plugin backend whose cache the plugin reads and writes exactly (probed); the
+        kernel's block size is the cache's; every metadata builder is given this worker's state."""
+        context = self._attention_layers()
+        state = self.kvpress_state
+        for name in state.o_proj:
             layer = context[name]
             if not isinstance(layer.impl, CompressingImplMixin):
                 raise EngineConfigError(
@@ -43,8 +88,60 @@ class CompressingWorkerMixin:
                     f"(layer {name}): the plugin extends CPU_ATTN and FLASH_ATTN. Select one with "
                     "attention_config={'backend': 'FLASH_ATTN'} (--attention-backend FLASH_ATTN) on NVIDIA GPUs."
                 )
-        first = context[next(iter(self.kvpress_state.o_proj))]
-        self.kvpress_state.layout = first.impl.paged_layout(first, first.kv_cache)
+        first = context[next(iter(state.o_proj))]
+        state.layout = first.impl.paged_layout(first, first.kv_cache)
+        state.block_size = first.kv_cache.shape[2] if first.kv_cache.dim() == 4 else None
+        builders = 0
+        for groups in self.model_runner.attn_groups:
+            for group in groups:
+                spec_block = group.kv_cache_spec.block_size
+                if group.kernel_block_size not in (None, spec_block):
+                    raise EngineConfigError(
+                        f"kvpress_critical cannot compress with attention kernel blocks of {group.kernel_block_size} "
+                        f"tokens inside cache blocks of {spec_block}: the plugin frees and shifts whole cache blocks. "
+                        f"Pass block_size={group.kernel_block_size} (--block-size {group.kernel_block_size})."
+                    )
+                state.block_size = spec_block
+                for builder in group.metadata_builders:
+                    if not isinstance(builder, CompressingBuilderMixin):
+                        raise EngineConfigError(
+                            f"kvpress_critical: attention metadata builder {type(builder).__name__} is not the "
+                            "plugin's, so compressed requests would not be shifted"
+                        )
+                    builder.kvpress_state = state
+                    builders += 1
+        if not builders:
+            raise EngineConfigError("kvpress_critical found no attention metadata builder to give its state to")
+
+    def _check_projected_norm_backend(self) -> None:
+        """The engine's projected-norm backend runs on this worker's device, or the engine does not start."""
+        from kvpress_critical.ops.projected_value_norm import projected_value_norm
+
+        state = self.kvpress_state
+        backend = state.engine_options.backend
+        weight = next(iter(state.o_proj.values()))
+        head_size = self._attention_layers()[next(iter(state.o_proj))].impl.head_size
+        values = torch.randn(1, 1, 3, head_size, dtype=weight.dtype, device=weight.device)
+        try:
+            projected_value_norm(values, weight[:, :head_size], 1, norm="l1", backend=backend)
+        except Exception as error:  # noqa: BLE001 - any failure of the named backend refuses the engine
+            raise EngineConfigError(
+                f"kvpress_critical cannot run the projected norm's backend {backend!r} on {weight.device} "
+                f"({error}). Set additional_config['kvpress_critical']['backend'] to 'auto' (or one that runs here)."
+            ) from error
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        state = self.kvpress_state
+        state.begin_step(scheduler_output)
+        output = super().execute_model(scheduler_output, *args, **kwargs)
+        state.finish_step(self._attention_layers())
+        if output is not None:
+            output = with_report(output, state.take_report())
+        return output
+
+    def sample_tokens(self, *args, **kwargs):
+        output = super().sample_tokens(*args, **kwargs)
+        return with_report(output, self.kvpress_state.take_report())
 
     def kvpress_critical_selections(self) -> dict:
         """The kept positions recorded per request and layer (``record_selections``), then forgotten."""
@@ -53,6 +150,10 @@ class CompressingWorkerMixin:
     def kvpress_critical_compacted(self) -> int:
         """How many requests this worker has compacted."""
         return self.kvpress_state.compacted_requests
+
+    def kvpress_critical_tracked(self) -> int:
+        """How many requests this worker keeps state for (0 when idle)."""
+        return self.kvpress_state.tracked_requests
 
     def shutdown(self, *args, **kwargs):
         state = getattr(self, "kvpress_state", None)
@@ -73,13 +174,19 @@ def _gpu_worker():
     return type("CriticalKVGPUWorker", (CompressingWorkerMixin, Worker), {"__module__": __name__})
 
 
-_WORKERS = {"CriticalKVCPUWorker": _cpu_worker, "CriticalKVGPUWorker": _gpu_worker}
+_CLASSES = {
+    "CriticalKVCPUWorker": _cpu_worker,
+    "CriticalKVGPUWorker": _gpu_worker,
+    "ReportingAsyncOutput": _reporting_async_output,
+}
 
 
 def __getattr__(name: str):
     # each class imports only its own platform's worker (the CPU worker module loads CPU-only ops, and back)
-    if name in _WORKERS:
-        worker = _WORKERS[name]()
-        globals()[name] = worker
-        return worker
+    if name in globals():
+        return globals()[name]
+    if name in _CLASSES:
+        value = _CLASSES[name]()
+        globals()[name] = value
+        return value
     raise AttributeError(name)

@@ -10,6 +10,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import json  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -109,3 +116,76 @@ def batch(engine, prompt_ids):
     outputs = engine.generate([{"prompt_token_ids": p} for p in prompts], params)
     selections = engine.collective_rpc("kvpress_critical_selections")[0]
     return prompts, outputs, selections
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """An OpenAI-compatible server with the plugin, on a loopback port, and its log."""
+
+    url: str
+    log: Path
+    process: subprocess.Popen
+
+    def log_text(self) -> str:
+        return self.log.read_text()
+
+    def engine_pids(self) -> set[int]:
+        import psutil
+
+        return {child.pid for child in psutil.Process(self.process.pid).children(recursive=True)}
+
+
+def start_server(folder: Path, plugin: dict, *flags: str, timeout: float = 300) -> Server:
+    """``python -m vllm.entrypoints.openai.api_server`` with the plugin, run outside the checkout (so that the
+    installed wheel, not the repository's sources, is imported), float32, eager, 32-token blocks, a 256 MiB pool."""
+    port = free_port()
+    log = folder / "server.log"
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model_path(), "--served-model-name", "smollm2",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE),
+        "--kv-cache-memory-bytes", str(POOL_BYTES), "--no-enable-prefix-caching",
+        "--additional-config", json.dumps({"kvpress_critical": plugin}), *flags,
+    ]  # fmt: skip
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")  # the server's default: engine in its own process
+    env.pop("KVPRESS_CRITICAL_METRICS_DIR", None)  # the server makes its own
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=folder)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"the server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return Server(url, log, process)
+        except OSError:
+            pass
+        if time.time() > deadline:
+            process.kill()
+            pytest.fail(f"the server did not start in {timeout} s:\n{log.read_text()[-4000:]}")
+        time.sleep(2)
+
+
+def stop_server(server: Server) -> None:
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """The session's server: CriticalKV(SnapKV) at ratio 0.5."""
+    running = start_server(tmp_path_factory.mktemp("server"), {"press": "critical_snapkv", "compression_ratio": 0.5})
+    yield running
+    stop_server(running)

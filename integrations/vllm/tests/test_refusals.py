@@ -65,8 +65,20 @@ def test_unsupported_engine_options_refuse(overrides, fix):
         (lambda c: setattr(c.parallel_config, "data_parallel_size", 2), "data_parallel_size=1"),
         (lambda c: setattr(c.model_config, "quantization", "fp8"), "unquantized model"),
         (lambda c: setattr(c.cache_config, "kv_sharing_fast_prefill", True), "kv_sharing_fast_prefill"),
+        (lambda c: setattr(c.parallel_config, "enable_dbo", True), "Drop enable_dbo and ubatch_size"),
+        (lambda c: setattr(c.parallel_config, "ubatch_size", 2), "Drop enable_dbo and ubatch_size"),
+        (lambda c: setattr(c.parallel_config, "tensor_parallel_size", 4), "tensor_parallel_size <= 3"),
     ],
-    ids=["pipeline-parallel", "context-parallel", "data-parallel", "quantized", "fast-prefill"],
+    ids=[
+        "pipeline-parallel",
+        "context-parallel",
+        "data-parallel",
+        "quantized",
+        "fast-prefill",
+        "dbo",
+        "ubatch",
+        "tp-over-kv-heads",
+    ],  # fmt: skip
 )
 def test_settings_the_cpu_platform_rewrites_refuse(change, fix):
     config = build(plugin={})
@@ -125,10 +137,12 @@ def test_sliding_window_models_refuse(tmp_path):
     [
         ({"press": "critical_adakv", "compression_ratio": 0.5}, "one block table per request"),
         ({"press": "headkv", "compression_ratio": 0.5}, "CompactCachePress"),
-        ({"press": "tova", "compression_ratio": 0.5}, "not a press of the plugin"),
+        ({"press": "tova", "compression_ratio": 0.5}, "choose one of"),
         ({"press": "snapkv"}, "needs compression_ratio"),
-        ({"compression_ratio": 1.0}, r"must be a number in \[0, 1\)"),
-        ({"compression_ratio": 0.5, "kernel_size": 4}, "must be odd"),
+        ({"compression_ratio": 1.0}, r"a number in \[0, 1\)"),
+        ({"compression_ratio": 0.5, "kernel_size": 4}, "an odd integer"),
+        ({"compression_ratio": 0.5, "backend": "fast"}, "one of auto, torch, cpp, cuda, triton"),
+        ({"compression_ratio": 0.5, "max_window_size": 0}, r"an integer in \[1, 4096\]"),
         ({"compression_ratio": 0.5, "window": 64}, "unknown option"),
         ({"compression_ratio": 0.5, "norm": "l3"}, "'l1' or 'l2'"),
     ],
@@ -143,7 +157,9 @@ def test_bad_plugin_options_refuse(options, message):
     [
         ({"compression_ratio": 1.5}, r"\[0, 1\)"),
         ({"press": "adakv"}, "one block table per request"),
-        ({"record_selections": True}, "unknown option"),
+        ({"record_selections": True}, "only be set for the whole engine"),
+        ({"backend": "torch"}, "only be set for the whole engine"),
+        ({"window_size": 0}, r"window_size=0 is not allowed"),
         ("0.5", "must be a dict"),
     ],
 )
@@ -156,3 +172,22 @@ def test_bad_request_options_fail_in_the_caller(overrides, message):
     with pytest.raises(VLLMValidationError, match=message):
         SamplingParams(extra_args={"kvpress_critical": overrides})
     SamplingParams(extra_args={"kvpress_critical": {"compression_ratio": 0.25, "press": "snapkv"}})
+
+
+def test_a_backend_that_cannot_run_here_refuses_at_start_up(tmp_path):
+    """The engine's projected-norm backend is tried on the engine's device when the workers start: CUDA on a CPU
+    machine stops the engine before it serves anything (a request can never name a backend)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    job = tmp_path / "job.json"
+    plugin = {"press": "critical_snapkv", "compression_ratio": 0.5, "backend": "cuda"}
+    job.write_text(json.dumps({"engine": engine_kwargs(), "plugin": plugin, "prompts": [[1, 2, 3]]}))
+    script = Path(__file__).resolve().parent / "engine_process.py"
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    run = subprocess.run([sys.executable, str(script), str(job)], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode != 0
+    assert "cannot run the projected norm's backend 'cuda'" in run.stderr, run.stderr[-3000:]

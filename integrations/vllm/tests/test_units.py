@@ -1,5 +1,7 @@
 """The plugin's pieces without an engine: options, eviction arithmetic, the shifted view, reading the paged cache."""
 
+import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -96,3 +98,143 @@ def test_the_learned_layout_reads_what_cpu_attention_writes(
     impl.do_kv_cache_update(layer, keys, values, kv_cache, slots)
     got_keys, got_values = layout.read(kv_cache, slots)
     assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
+
+
+# ---------------------------------------------------------------------------------------- the workers' step plan
+def _worker_state(req_ids, computed):
+    import numpy as np
+    from kvpress_critical_vllm.worker_state import WorkerState
+
+    batch = SimpleNamespace(
+        num_reqs=len(req_ids), req_ids=list(req_ids), num_computed_tokens_cpu=np.array(computed, dtype=np.int32)
+    )
+    config = SimpleNamespace(additional_config={"kvpress_critical": {"compression_ratio": 0.5}})
+    state = WorkerState(config, SimpleNamespace(input_batch=batch))
+    state.block_size = 32
+    return state
+
+
+def _step(state, compact=(), save=()):
+    from kvpress_critical_vllm.protocol import DIRECTIVES_ATTRIBUTE, Compact, StepDirectives
+
+    options = CompressionOptions(compression_ratio=0.5)
+    directives = StepDirectives(
+        compact={rid: Compact(rid, options, eviction(options, n, bs)) for rid, n, bs in compact},
+        save_queries={rid: 64 for rid in save},
+    )
+    output = SimpleNamespace(
+        finished_req_ids=set(), scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set())
+    )
+    setattr(output, DIRECTIVES_ATTRIBUTE, directives)
+    state.begin_step(output)
+
+
+def test_the_step_plan_follows_the_directives_and_the_shifts():
+    state = _worker_state(["a", "b", "c"], [0, 300, 100])
+    state.shifts["b"] = 128
+    _step(state, compact=[("a", 400, 32)], save=["c"])
+    cm = _metadata([400, 301, 200], [[1] * 13, [2] * 13, [3] * 13])
+    cm = cm.replace(query_start_loc_cpu=torch.tensor([0, 400, 401, 501], dtype=torch.int32), num_reqs=3)
+    plan = state.plan_step(cm, 32)
+    assert plan.shift.tolist() == [0, 128, 0]
+    assert [(job.directive.request_id, job.query_start, job.query_end) for job in plan.jobs] == [("a", 0, 400)]
+    assert [(save.request_id, save.query_start, save.query_end) for save in plan.saves] == [("c", 401, 501)]
+    assert state.plan_step(cm, 32) is plan  # once per step, whatever the number of builders
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("fewer rows", "covers 1 of the batch's 2 requests"),
+        ("other block size", "block size 16"),
+        ("directive off the prompt's end", "to be compacted after its 500-token prompt"),
+        ("directive for a request not in the batch", "not in this step's batch"),
+    ],
+)
+def test_the_step_plan_refuses_any_disagreement(case, message):
+    from kvpress_critical_vllm.worker_state import PluginStateError
+
+    state = _worker_state(["a", "b"], [0, 0])
+    compact = {
+        "directive off the prompt's end": [("a", 500, 32)],
+        "directive for a request not in the batch": [("z", 400, 32)],
+    }
+    _step(state, compact=compact.get(case, [("a", 400, 32)]))
+    cm = _metadata([400, 10], [[1] * 13, [2] * 13])
+    cm = cm.replace(query_start_loc_cpu=torch.tensor([0, 400, 410], dtype=torch.int32), num_reqs=2)
+    if case == "fewer rows":
+        cm = cm.replace(num_reqs=1)
+    with pytest.raises(PluginStateError, match=message):
+        state.plan_step(cm, 16 if case == "other block size" else 32)
+
+
+def test_a_worker_forgets_finished_and_resumed_requests():
+    from kvpress_critical_vllm.protocol import StepDirectives
+
+    state = _worker_state(["a"], [0])
+    state.shifts.update(a=64, b=32, c=96)
+    state.queries["d"] = {}
+    output = SimpleNamespace(
+        finished_req_ids={"b"}, scheduled_new_reqs=[SimpleNamespace(req_id="d")],
+        scheduled_cached_reqs=SimpleNamespace(resumed_req_ids={"c"}), kvpress_critical_directives=StepDirectives(),
+    )  # fmt: skip
+    state.begin_step(output)
+    assert state.shifts == {"a": 64} and state.tracked_requests == 1
+
+
+# --------------------------------------------------------------------------------------------------- options
+@pytest.mark.parametrize(
+    "overrides,option,allowed",
+    [
+        ({"compression_ratio": "0.5"}, "compression_ratio", "[0, 1)"),
+        ({"compression_ratio": float("nan")}, "compression_ratio", "[0, 1)"),
+        ({"compression_ratio": True}, "compression_ratio", "[0, 1)"),
+        ({"window_size": 300}, "window_size", "[1, 256]"),
+        ({"kernel_size": 33}, "kernel_size", "[1, 31]"),
+        ({"backend": "cpp"}, "backend", "whole engine"),
+        ({"max_window_size": 4096}, "max_window_size", "whole engine"),
+        ({"press": "critical_adakv"}, "press", "one block table per request"),
+    ],
+)
+def test_a_request_is_held_to_the_engines_bounds(overrides, option, allowed):
+    engine = engine_options({"kvpress_critical": {"compression_ratio": 0.5}})
+    with pytest.raises(OptionsError, match=re.escape(allowed)) as raised:
+        resolve_options(engine, {"kvpress_critical": overrides})
+    assert raised.value.option == option
+
+
+def test_an_engine_may_widen_the_bounds_up_to_the_limits():
+    engine = engine_options({"kvpress_critical": {"compression_ratio": 0.5, "max_window_size": 1024}})
+    assert resolve_options(engine, {"kvpress_critical.window_size": 1000}).window_size == 1000
+    with pytest.raises(OptionsError, match=r"max_window_size=5000 is not allowed: an integer in \[1, 4096\]"):
+        engine_options({"kvpress_critical": {"compression_ratio": 0.5, "max_window_size": 5000}})
+
+
+# ---------------------------------------------------------------------------------------------------- metrics
+def test_the_metrics_collector_sums_engines_and_drops_dead_gauges(tmp_path, monkeypatch):
+    import os
+
+    from kvpress_critical_vllm.metrics import METRICS_DIR_ENV, MetricsWriter, PluginCollector
+
+    monkeypatch.setenv(METRICS_DIR_ENV, str(tmp_path))
+    config = SimpleNamespace(model_config=SimpleNamespace(served_model_name="m"))
+    writers = [MetricsWriter(config), MetricsWriter(config)]
+    writers[0].compressed(prompt_tokens=100, entries_kept=90, blocks_freed=2)
+    writers[1].compressed(prompt_tokens=50, entries_kept=30, blocks_freed=1)
+    writers[1].uncompressed("short_prompt")
+    writers[0].tracked(3, 2)
+    for writer in writers:
+        writer.flush(force=True)
+    families = {family.name: family for family in PluginCollector(str(tmp_path)).collect()}
+    value = {name: sum(sample.value for sample in family.samples) for name, family in families.items()}
+    assert value["vllm:kvpress_critical_requests_compressed"] == 2
+    assert value["vllm:kvpress_critical_blocks_freed"] == 3
+    assert value["vllm:kvpress_critical_requests_uncompressed"] == 1
+    assert value["vllm:kvpress_critical_scheduler_tracked_requests"] == 3
+    dead = json.loads(writers[0].path.read_text())
+    dead["pid"] = 2**22 + 12345  # no such process: its gauges no longer count, its counters do
+    writers[0].path.write_text(json.dumps(dead))
+    families = {family.name: family for family in PluginCollector(str(tmp_path)).collect()}
+    assert sum(s.value for s in families["vllm:kvpress_critical_scheduler_tracked_requests"].samples) == 0
+    assert sum(s.value for s in families["vllm:kvpress_critical_requests_compressed"].samples) == 2
+    assert os.getpid() == json.loads(writers[1].path.read_text())["pid"]

@@ -1,0 +1,190 @@
+"""The plugin's counters on the server's ``/metrics``, in vLLM's naming (``vllm:kvpress_critical_*``).
+
+The scheduler runs in the engine-core process, the ``/metrics`` endpoint in the API server's: vLLM carries no
+plugin statistics between them. So the scheduler writes its counters, atomically and at most twice a second (and
+whenever the engine falls idle), into a small JSON file in a folder the API server process chose at start
+(``$KVPRESS_CRITICAL_METRICS_DIR``, a temporary folder removed at exit, inherited by the processes it starts);
+:class:`PluginCollector`, registered in the API server's Prometheus registry, reads the files when ``/metrics`` is
+scraped. Counters are summed over the engines that wrote them; gauges over the engines still running.
+
+Exposed (labels: ``model_name``):
+
+- ``vllm:kvpress_critical_requests_compressed_total``, ``vllm:kvpress_critical_prompt_tokens_compressed_total``,
+  ``vllm:kvpress_critical_entries_kept_total`` (kept entries over all layers and KV heads),
+  ``vllm:kvpress_critical_blocks_freed_total``;
+- ``vllm:kvpress_critical_requests_uncompressed_total`` (label ``reason``: ``ratio_zero``, ``short_prompt``,
+  ``streaming_input``, ``invalid_options``, ``not_compacted``);
+- gauges ``vllm:kvpress_critical_scheduler_tracked_requests`` and ``vllm:kvpress_critical_worker_tracked_requests``:
+  the requests the plugin keeps state for (0 once the engine is idle).
+
+With several API server processes (``--api-server-count > 1``) vLLM serves ``/metrics`` from a multiprocess registry
+that this collector is not part of: the counters are then in the log lines only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+METRICS_DIR_ENV = "KVPRESS_CRITICAL_METRICS_DIR"
+PREFIX = "vllm:kvpress_critical_"
+COUNTERS = {
+    "requests_compressed": "Requests whose KV cache the plugin compressed.",
+    "prompt_tokens_compressed": "Prompt tokens of the compressed requests.",
+    "entries_kept": "KV entries the compressed requests kept, over all layers and KV heads.",
+    "blocks_freed": "KV blocks the plugin returned to vLLM's pool.",
+}
+GAUGES = {
+    "scheduler_tracked_requests": "Requests the plugin's scheduler keeps state for.",
+    "worker_tracked_requests": "Requests the plugin's workers keep state for.",
+}
+UNCOMPRESSED = "requests_uncompressed"
+UNCOMPRESSED_REASONS = ("ratio_zero", "short_prompt", "streaming_input", "invalid_options", "not_compacted")
+FLUSH_SECONDS = 0.5
+
+
+def ensure_metrics_dir() -> str:
+    """The folder of this server's metrics files: inherited, or made now (and removed when this process exits)."""
+    folder = os.environ.get(METRICS_DIR_ENV)
+    if folder:
+        return folder
+    folder = tempfile.mkdtemp(prefix="kvpress_critical_metrics-")
+    os.environ[METRICS_DIR_ENV] = folder
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+class MetricsWriter:
+    """The scheduler's counters, written to ``$KVPRESS_CRITICAL_METRICS_DIR`` when that folder is set."""
+
+    def __init__(self, vllm_config) -> None:
+        model = vllm_config.model_config
+        self.model_name = (model.served_model_name if model is not None else None) or "unknown"
+        if isinstance(self.model_name, (list, tuple)):
+            self.model_name = self.model_name[0]
+        folder = os.environ.get(METRICS_DIR_ENV)
+        self.path = Path(folder) / f"engine-{os.getpid()}-{id(self):x}.json" if folder else None
+        self.counters = {name: 0 for name in COUNTERS}
+        self.uncompressed_by_reason = {reason: 0 for reason in UNCOMPRESSED_REASONS}
+        self.gauges = {name: 0 for name in GAUGES}
+        self._dirty, self._written_at = True, 0.0
+
+    def compressed(self, prompt_tokens: int, entries_kept: int, blocks_freed: int) -> None:
+        self.counters["requests_compressed"] += 1
+        self.counters["prompt_tokens_compressed"] += prompt_tokens
+        self.counters["entries_kept"] += entries_kept
+        self.counters["blocks_freed"] += blocks_freed
+        self._dirty = True
+
+    def uncompressed(self, reason: str) -> None:
+        self.uncompressed_by_reason[reason] += 1
+        self._dirty = True
+
+    def tracked(self, scheduler: int, worker: int) -> None:
+        if (self.gauges["scheduler_tracked_requests"], self.gauges["worker_tracked_requests"]) != (scheduler, worker):
+            self.gauges.update(scheduler_tracked_requests=scheduler, worker_tracked_requests=worker)
+            self._dirty = True
+
+    def snapshot(self) -> dict:
+        return {
+            "pid": os.getpid(),
+            "model_name": self.model_name,
+            "counters": dict(self.counters),
+            "uncompressed": dict(self.uncompressed_by_reason),
+            "gauges": dict(self.gauges),
+        }
+
+    def flush(self, force: bool = False) -> None:
+        """Write the snapshot if it changed, at most every :data:`FLUSH_SECONDS` unless ``force``."""
+        now = time.monotonic()
+        if self.path is None or not self._dirty or (not force and now - self._written_at < FLUSH_SECONDS):
+            return
+        tmp = self.path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(self.snapshot()))
+            os.replace(tmp, self.path)
+        except OSError:  # the folder went away (the server is exiting): counters stay in the log lines
+            return
+        self._dirty, self._written_at = False, now
+
+    def close(self) -> None:
+        self.gauges = {name: 0 for name in GAUGES}
+        self._dirty = True
+        self.flush(force=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_snapshots(folder: str) -> list[dict]:
+    snapshots = []
+    for path in sorted(Path(folder).glob("engine-*.json")):
+        try:
+            snapshots.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return snapshots
+
+
+class PluginCollector:
+    """A Prometheus collector reading the engines' snapshots when ``/metrics`` is scraped."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snapshots = read_snapshots(self.folder)
+        models = sorted({s["model_name"] for s in snapshots})
+        for name, doc in COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            for model in models:
+                family.add_metric([model], sum(s["counters"][name] for s in snapshots if s["model_name"] == model))
+            yield family
+        family = CounterMetricFamily(
+            PREFIX + UNCOMPRESSED, "Requests the plugin left uncompressed, by reason.", labels=["model_name", "reason"]
+        )
+        for model in models:
+            for reason in UNCOMPRESSED_REASONS:
+                total = sum(s["uncompressed"].get(reason, 0) for s in snapshots if s["model_name"] == model)
+                family.add_metric([model, reason], total)
+        yield family
+        live = [s for s in snapshots if _alive(s["pid"])]
+        for name, doc in GAUGES.items():
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            for model in models:
+                family.add_metric([model], sum(s["gauges"][name] for s in live if s["model_name"] == model))
+            yield family
+
+
+_COLLECTOR: PluginCollector | None = None
+
+
+def register_collector() -> None:
+    """Make the metrics folder (inherited by the engine processes started after) and expose it on ``/metrics``."""
+    global _COLLECTOR
+    if _COLLECTOR is not None:
+        return
+    folder = ensure_metrics_dir()
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:  # pragma: no cover - vLLM depends on prometheus_client
+        return
+    _COLLECTOR = PluginCollector(folder)
+    REGISTRY.register(_COLLECTOR)
