@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
@@ -183,6 +184,55 @@ struct Context {
   CodeView k_codes{}, v_codes{};
 };
 
+// The G * q query rows of segment (b, kv), scaled, in fp32: row g * q + i at qs + (g * q + i) * d.
+void load_queries(const at::Tensor& query, int64_t b, int64_t kv, int64_t group, float fscale, float* qs) {
+  const int64_t q_len = query.size(2), d = query.size(3);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "ragged_attention_q", [&] {
+    const scalar_t* q = query.const_data_ptr<scalar_t>();
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t i = 0; i < q_len; ++i) {
+        const scalar_t* src = q + b * query.stride(0) + (kv * group + g) * query.stride(1) + i * query.stride(2);
+        float* dst = qs + (g * q_len + i) * d;
+        for (int64_t k = 0; k < d; ++k) dst[k] = static_cast<float>(src[k * query.stride(3)]) * fscale;
+      }
+  });
+}
+
+// Merge the partial results (max, sum, unnormalised output per row, `slot` floats an item) of every segment's items
+// first_item[s] .. first_item[s + 1] - 1 by their log-sum-exp and write out (B, q, H, d); rows that saw nothing: 0.
+void merge_items(const float* part, int64_t slot, const std::vector<int64_t>& first_item, int64_t kv_heads,
+                 at::Tensor& out) {
+  const int64_t q_len = out.size(1), heads = out.size(2), d = out.size(3), group = heads / kv_heads;
+  const int64_t rows = group * q_len, segments = out.size(0) * kv_heads;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "ragged_attention_out", [&] {
+    scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, segments * rows, 1, [&](int64_t start, int64_t stop) {
+      std::vector<float> row(d);
+      for (int64_t task = start; task < stop; ++task) {
+        const int64_t s = task / rows, r = task % rows;
+        const int64_t b = s / kv_heads, kv = s % kv_heads, g = r / q_len, i = r % q_len;
+        float total_max = kNegInf;
+        for (int64_t it = first_item[s]; it < first_item[s + 1]; ++it) total_max = std::max(total_max, part[it * slot + r]);
+        std::fill(row.begin(), row.end(), 0.0f);
+        float denominator = 0.0f;
+        if (total_max != kNegInf) {
+          for (int64_t it = first_item[s]; it < first_item[s + 1]; ++it) {
+            const float* m = part + it * slot;
+            if (m[r] == kNegInf) continue;
+            const float w = std::exp(m[r] - total_max);
+            denominator += w * m[rows + r];
+            const float* a = m + 2 * rows + r * d;
+            for (int64_t k = 0; k < d; ++k) row[k] += w * a[k];
+          }
+        }
+        const float inv = denominator > 0.0f ? 1.0f / denominator : 0.0f;
+        scalar_t* dst = o + ((b * q_len + i) * heads + kv * group + g) * d;
+        for (int64_t k = 0; k < d; ++k) dst[k] = static_cast<scalar_t>(row[k] * inv);
+      }
+    });
+  });
+}
+
 // Everything but the reading of the context: work items, the tail, the merge. tail_keys / tail_values: unit stride
 // along head_dim, fp32 / bf16 / half.
 at::Tensor attend_items(const at::Tensor& query, const Context& ctx, int64_t n_entries, const at::Tensor& cu_seqlens,
@@ -240,16 +290,8 @@ at::Tensor attend_items(const at::Tensor& query, const Context& ctx, int64_t n_e
     for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {
       const Item item = items[it];
       const int64_t b = item.segment / kv_heads, kv = item.segment % kv_heads;
-      if (item.segment != loaded_segment) {  // the segment's G * q query rows, scaled, in fp32
-        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "ragged_attention_q", [&] {
-          const scalar_t* q = query.const_data_ptr<scalar_t>();
-          for (int64_t g = 0; g < group; ++g)
-            for (int64_t i = 0; i < q_len; ++i) {
-              const scalar_t* src = q + b * query.stride(0) + (kv * group + g) * query.stride(1) + i * query.stride(2);
-              float* dst = qs + (g * q_len + i) * d;
-              for (int64_t k = 0; k < d; ++k) dst[k] = static_cast<float>(src[k * query.stride(3)]) * fscale;
-            }
-        });
+      if (item.segment != loaded_segment) {
+        load_queries(query, b, kv, group, fscale, qs);
         loaded_segment = item.segment;
       }
       float* const m = part + it * slot;
@@ -275,34 +317,7 @@ at::Tensor attend_items(const at::Tensor& query, const Context& ctx, int64_t n_e
     }
   });
 
-  // merge the items of every segment and write the output (B, q, H, d)
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "ragged_attention_out", [&] {
-    scalar_t* o = out.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, segments * rows, 1, [&](int64_t start, int64_t stop) {
-      std::vector<float> row(d);
-      for (int64_t task = start; task < stop; ++task) {
-        const int64_t s = task / rows, r = task % rows;
-        const int64_t b = s / kv_heads, kv = s % kv_heads, g = r / q_len, i = r % q_len;
-        float total_max = kNegInf;
-        for (int64_t it = first_item[s]; it < first_item[s + 1]; ++it) total_max = std::max(total_max, part[it * slot + r]);
-        std::fill(row.begin(), row.end(), 0.0f);
-        float denominator = 0.0f;
-        if (total_max != kNegInf) {
-          for (int64_t it = first_item[s]; it < first_item[s + 1]; ++it) {
-            const float* m = part + it * slot;
-            if (m[r] == kNegInf) continue;
-            const float w = std::exp(m[r] - total_max);
-            denominator += w * m[rows + r];
-            const float* a = m + 2 * rows + r * d;
-            for (int64_t k = 0; k < d; ++k) row[k] += w * a[k];
-          }
-        }
-        const float inv = denominator > 0.0f ? 1.0f / denominator : 0.0f;
-        scalar_t* dst = o + ((b * q_len + i) * heads + kv * group + g) * d;
-        for (int64_t k = 0; k < d; ++k) dst[k] = static_cast<scalar_t>(row[k] * inv);
-      }
-    });
-  });
+  merge_items(part, slot, first_item, kv_heads, out);
   return out;
 }
 
@@ -393,6 +408,179 @@ at::Tensor ragged_attention_quantized_cpu(const at::Tensor& query, const at::Ten
   return attend_items(query, ctx, key_codes.size(0), cu_seqlens, tail_keys, tail_values, tail_len, scale);
 }
 
+
+// paged_ragged_attention: the same attention over head-wise entries kept inside a paged cache
+// (kvpress_critical/ops/paged_ragged_attention). A segment's region entries are read in place, run by run (a run:
+// the entries of one region block, consecutive rows), through the row's region table; a row's tail is gathered
+// once per (row, KV head) into the thread's scratch through the tail's block table and element offsets (the
+// engine's own in-block order), then attended with its causal limits. Work items and the merge are ragged_attention's.
+at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor& region_keys,
+                                      const at::Tensor& region_values, const at::Tensor& region_table_in,
+                                      const at::Tensor& seg_start_in, const at::Tensor& seg_len_in,
+                                      const at::Tensor& tail_keys, const at::Tensor& tail_values,
+                                      const at::Tensor& tail_table_in, const at::Tensor& tail_len_in,
+                                      const at::Tensor& key_offsets_in, const at::Tensor& value_offsets_in,
+                                      double scale) {
+  TORCH_CHECK(query.dim() == 4, "kvpress_critical: query must be (batch, heads, q_len, head_dim), got ", query.sizes());
+  const int64_t batch = query.size(0), heads = query.size(1), q_len = query.size(2), d = query.size(3);
+  TORCH_CHECK(key_offsets_in.dim() == 3 && key_offsets_in.sizes() == value_offsets_in.sizes() &&
+                  key_offsets_in.size(2) == d,
+              "kvpress_critical: key / value offsets must be (kv_heads, block_size, head_dim), got ",
+              key_offsets_in.sizes());
+  const int64_t kv_heads = key_offsets_in.size(0), block_size = key_offsets_in.size(1);
+  TORCH_CHECK(heads % kv_heads == 0, "kvpress_critical: the query's ", heads, " heads are not a multiple of the ",
+              kv_heads, " KV heads");
+  const auto type = region_keys.scalar_type();
+  for (const at::Tensor* t : {&region_keys, &region_values, &tail_keys, &tail_values})
+    TORCH_CHECK(t->scalar_type() == type && (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf) &&
+                    t->device().is_cpu(),
+                "kvpress_critical: the paged cache must be one float32 / bfloat16 / half CPU tensor");
+  TORCH_CHECK(region_keys.dim() == 3 && region_keys.sizes() == region_values.sizes() && region_keys.size(2) == d &&
+                  region_keys.stride(2) == 1 && region_values.stride(2) == 1,
+              "kvpress_critical: region keys / values must be (blocks, rows, head_dim) views with unit stride along "
+              "head_dim, got ", region_keys.sizes());
+  TORCH_CHECK(tail_keys.dim() == 2 && tail_values.dim() == 2 && tail_keys.stride(1) == 1 && tail_values.stride(1) == 1,
+              "kvpress_critical: tail keys / values must be (blocks, elements) views with unit stride");
+  const at::Tensor region_table = region_table_in.to(at::kLong).contiguous();
+  const at::Tensor tail_table = tail_table_in.to(at::kLong).contiguous();
+  const at::Tensor seg_start = seg_start_in.to(at::kLong).contiguous(), seg_len = seg_len_in.to(at::kLong).contiguous();
+  const at::Tensor tail_len = tail_len_in.to(at::kLong).contiguous();
+  const at::Tensor key_offsets = key_offsets_in.to(at::kLong).contiguous();
+  const at::Tensor value_offsets = value_offsets_in.to(at::kLong).contiguous();
+  const int64_t segments = batch * kv_heads;
+  TORCH_CHECK(region_table.dim() == 2 && region_table.size(0) == batch && tail_table.dim() == 2 &&
+                  tail_table.size(0) == batch && seg_start.numel() == segments && seg_len.numel() == segments &&
+                  tail_len.numel() == batch,
+              "kvpress_critical: tables / segments do not match the batch of ", batch, " rows and ", kv_heads,
+              " KV heads");
+  const int64_t* rt = region_table.const_data_ptr<int64_t>();
+  const int64_t* tt = tail_table.const_data_ptr<int64_t>();
+  const int64_t* starts = seg_start.const_data_ptr<int64_t>();
+  const int64_t* lengths = seg_len.const_data_ptr<int64_t>();
+  const int64_t* tails = tail_len.const_data_ptr<int64_t>();
+  const int64_t* koff = key_offsets.const_data_ptr<int64_t>();
+  const int64_t* voff = value_offsets.const_data_ptr<int64_t>();
+  const int64_t rows_per_block = region_keys.size(1), num_blocks = region_keys.size(0);
+  const int64_t group = heads / kv_heads, rows = group * q_len;
+  at::Tensor out = at::empty({batch, q_len, heads, d}, query.options());
+  if (out.numel() == 0) return out;
+
+  // check every block a segment or a tail reads is in the cache (an engine's tables are checked once per call)
+  int64_t max_tail = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(tails[b] >= q_len, "kvpress_critical: row ", b, "'s tail (", tails[b], ") must hold its ", q_len,
+                " queries");
+    TORCH_CHECK((tails[b] + block_size - 1) / block_size <= tail_table.size(1),
+                "kvpress_critical: row ", b, "'s tail of ", tails[b], " entries outruns its tail table");
+    for (int64_t j = 0; j < (tails[b] + block_size - 1) / block_size; ++j)
+      TORCH_CHECK(tt[b * tail_table.size(1) + j] >= 0 && tt[b * tail_table.size(1) + j] < tail_keys.size(0),
+                  "kvpress_critical: a tail block outside the cache");
+    max_tail = std::max(max_tail, tails[b]);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t s = b * kv_heads + h;
+      TORCH_CHECK(starts[s] >= 0 && lengths[s] >= 0, "kvpress_critical: negative region offsets");
+      if (lengths[s] == 0) continue;
+      const int64_t last_block = (starts[s] + lengths[s] - 1) / rows_per_block;
+      TORCH_CHECK(last_block < region_table.size(1), "kvpress_critical: segment ", s, " outruns its region table");
+      for (int64_t j = starts[s] / rows_per_block; j <= last_block; ++j)
+        TORCH_CHECK(rt[b * region_table.size(1) + j] >= 0 && rt[b * region_table.size(1) + j] < num_blocks,
+                    "kvpress_critical: a region block outside the cache");
+    }
+  }
+  for (const int64_t* offsets : {koff, voff}) {
+    const auto [lo, hi] = std::minmax_element(offsets, offsets + key_offsets.numel());
+    TORCH_CHECK(*lo >= 0 && *hi < tail_keys.size(1) && *hi < tail_values.size(1),
+                "kvpress_critical: key / value offsets outside a block");
+  }
+
+  const int64_t threads = at::get_num_threads();
+  int64_t total = 0;
+  for (int64_t s = 0; s < segments; ++s) total += lengths[s] + tails[s / kv_heads];
+  const int64_t chunk = std::max<int64_t>(kMinChunk, (total + 4 * threads - 1) / (4 * threads));
+  std::vector<Item> items;
+  std::vector<int64_t> first_item(segments + 1, 0);
+  for (int64_t s = 0; s < segments; ++s) {
+    first_item[s] = static_cast<int64_t>(items.size());
+    for (int64_t begin = 0; begin < lengths[s]; begin += chunk)
+      items.push_back({s, begin, std::min(lengths[s], begin + chunk), false});
+    items.push_back({s, 0, tails[s / kv_heads], true});
+  }
+  first_item[segments] = static_cast<int64_t>(items.size());
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t slot = rows * (d + 2);
+  at::Tensor partial = at::empty({n_items * slot}, query.options().dtype(at::kFloat));
+  float* const part = partial.mutable_data_ptr<float>();
+
+  const AttentionIsa& isa = attention_isa();
+  const AttendFn attend = type == at::kFloat ? isa.f32 : type == at::kBFloat16 ? isa.bf16 : isa.f16;
+  const int64_t esize = region_keys.element_size();
+  const char* rk = static_cast<const char*>(region_keys.const_data_ptr());
+  const char* rv = static_cast<const char*>(region_values.const_data_ptr());
+  const char* tk = static_cast<const char*>(tail_keys.const_data_ptr());
+  const char* tv = static_cast<const char*>(tail_values.const_data_ptr());
+  const float fscale = static_cast<float>(scale);
+
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(threads, n_items);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    const int64_t work = (2 * rows + 2 * d) * kMaxVL;
+    at::Tensor scratch = at::empty({rows * d + work}, partial.options());
+    float* const qs = scratch.mutable_data_ptr<float>();
+    float* const space = qs + rows * d;
+    // one (row, KV head)'s tail in the cache's element type: keys then values, (max_tail, d) each
+    std::vector<char> gathered(2 * std::max<int64_t>(max_tail, 1) * d * esize);
+    std::vector<int64_t> last(rows);
+    int64_t loaded_segment = -1;
+    for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {
+      const Item item = items[it];
+      const int64_t b = item.segment / kv_heads, kv = item.segment % kv_heads;
+      if (item.segment != loaded_segment) {
+        load_queries(query, b, kv, group, fscale, qs);
+        loaded_segment = item.segment;
+      }
+      float* const m = part + it * slot;
+      float* const l = m + rows;
+      float* const acc = l + rows;
+      std::fill(m, m + rows, kNegInf);
+      std::fill(l, l + rows, 0.0f);
+      std::fill(acc, acc + rows * d, 0.0f);
+      if (item.tail) {
+        const int64_t length = item.end;
+        if (length == 0) continue;
+        char* gk = gathered.data();
+        char* gv = gk + length * d * esize;
+        for (int64_t t = 0; t < length; ++t) {
+          const int64_t block = tt[b * tail_table.size(1) + t / block_size];
+          const int64_t* ko = koff + (kv * block_size + t % block_size) * d;
+          const int64_t* vo = voff + (kv * block_size + t % block_size) * d;
+          const char* kb = tk + block * tail_keys.stride(0) * esize;
+          const char* vb = tv + block * tail_values.stride(0) * esize;
+          for (int64_t k = 0; k < d; ++k) {
+            std::memcpy(gk + (t * d + k) * esize, kb + ko[k] * esize, esize);
+            std::memcpy(gv + (t * d + k) * esize, vb + vo[k] * esize, esize);
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) last[r] = length - q_len + r % q_len;
+        attend(qs, rows, d, gk, d, gv, d, length, last.data(), m, l, acc, space);
+      } else {  // the region entries [begin, end) of the segment, one run (region block) at a time
+        int64_t e = starts[item.segment] + item.begin;
+        const int64_t stop = starts[item.segment] + item.end;
+        while (e < stop) {
+          const int64_t column = e / rows_per_block, row = e % rows_per_block;
+          const int64_t n = std::min(stop, (column + 1) * rows_per_block) - e;
+          const int64_t block = rt[b * region_table.size(1) + column];
+          attend(qs, rows, d, rk + (block * region_keys.stride(0) + row * region_keys.stride(1)) * esize,
+                 region_keys.stride(1), rv + (block * region_values.stride(0) + row * region_values.stride(1)) * esize,
+                 region_values.stride(1), n, nullptr, m, l, acc, space);
+          e += n;
+        }
+      }
+    }
+  });
+  merge_items(part, slot, first_item, kv_heads, out);
+  return out;
+}
+
 std::string attention_kernel_isa() { return attention_isa().name; }
 
 }  // namespace
@@ -405,12 +593,17 @@ TORCH_LIBRARY_FRAGMENT(kvpress_critical, m) {
       "ragged_attention_quantized(Tensor query, Tensor key_codes, Tensor key_scales, Tensor? key_zeros, "
       "Tensor? key_groups, Tensor value_codes, Tensor value_scales, Tensor? value_zeros, Tensor? value_groups, "
       "int bits, Tensor cu_seqlens, Tensor tail_keys, Tensor tail_values, int tail_len, float scale) -> Tensor");
+  m.def(
+      "paged_ragged_attention(Tensor query, Tensor region_keys, Tensor region_values, Tensor region_table, "
+      "Tensor seg_start, Tensor seg_len, Tensor tail_keys, Tensor tail_values, Tensor tail_table, Tensor tail_len, "
+      "Tensor key_offsets, Tensor value_offsets, float scale) -> Tensor");
   m.def("attention_kernel_isa() -> str", &attention_kernel_isa);
 }
 
 TORCH_LIBRARY_IMPL(kvpress_critical, CPU, m) {
   m.impl("ragged_attention", &ragged_attention_cpu);
   m.impl("ragged_attention_quantized", &ragged_attention_quantized_cpu);
+  m.impl("paged_ragged_attention", &paged_ragged_attention_cpu);
 }
 
 }  // namespace kvpress_critical

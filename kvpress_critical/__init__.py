@@ -2,14 +2,16 @@
 
 The presses import kvpress when they are first used (``from kvpress_critical import CriticalKVPress``), which
 registers kvpress's ``"kv-press-text-generation"`` pipeline and patches attention functions for head-wise masking.
-The ops (:mod:`kvpress_critical.ops`: the projected-value norm, the ragged attention of the compact cache, their
-backends) need only torch: ``import kvpress_critical`` and the ops work where kvpress is not installed (a GPU machine
-checking the kernels), and a press asked for there raises an ``ImportError`` that says what to install.
+The ops (:mod:`kvpress_critical.ops`: the projected-value norm, the ragged attention of the compact cache and its
+paged variant, their backends) need only torch: ``import kvpress_critical`` and the ops work where kvpress is not
+installed (a GPU machine checking the kernels), and a press asked for there raises an ``ImportError`` that says what
+to install.
 """
 
 import importlib
 
 from kvpress_critical._version import __version__
+from kvpress_critical.ops.paged_ragged_attention import paged_ragged_attention
 from kvpress_critical.ops.projected_value_norm import PROJECTED_VALUE_NORM, projected_value_norm
 from kvpress_critical.ops.ragged_attention import ragged_attention
 
@@ -28,7 +30,14 @@ _PRESSES = (
 # the names that need kvpress, and the module of each
 _LAZY = {**{name: "kvpress_critical.presses" for name in _PRESSES}, "Conversation": "kvpress_critical.conversation"}
 
-__all__ = [*_LAZY, "__version__", "available_backends", "projected_value_norm", "ragged_attention"]
+__all__ = [
+    *_LAZY,
+    "__version__",
+    "available_backends",
+    "paged_ragged_attention",
+    "projected_value_norm",
+    "ragged_attention",
+]
 
 
 def available_backends(device=None) -> list[str]:

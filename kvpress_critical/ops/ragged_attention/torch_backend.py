@@ -59,16 +59,21 @@ def ragged_attention_torch(query, keys, values, cu_seqlens, tail_keys, tail_valu
                 parts.append(_part(q, _rows(keys, lo, hi), _rows(values, lo, hi), None))
             if tail_len:
                 parts.append(_part(q, tail_keys[b, h, :tail_len], tail_values[b, h, :tail_len], tail_mask))
-            if not parts:
-                result = torch.zeros(group * q_len, head_dim, device=query.device)
-            else:
-                peak = torch.stack([p[0] for p in parts]).amax(0)
-                weights = [torch.exp(p[0] - peak) for p in parts]
-                total = sum(w * p[1] for w, p in zip(weights, parts))
-                result = sum(w * p[2] for w, p in zip(weights, parts)) / total.clamp_min(1e-30)
-                result = torch.where(total > 0, result, torch.zeros_like(result))
+            result = merge_parts(parts, group * q_len, head_dim, query.device)
             out[b, :, h * group : (h + 1) * group] = result.view(group, q_len, head_dim).transpose(0, 1).to(out.dtype)
     return out
+
+
+def merge_parts(parts: list, rows: int, head_dim: int, device) -> torch.Tensor:
+    """``(rows, d)`` attention output from the ``(max, sum, unnormalised output)`` of its parts (:func:`_part`),
+    merged by their log-sum-exp; rows that see no entry get zeros."""
+    if not parts:
+        return torch.zeros(rows, head_dim, device=device)
+    peak = torch.stack([p[0] for p in parts]).amax(0)
+    weights = [torch.exp(p[0] - peak) for p in parts]
+    total = sum(w * p[1] for w, p in zip(weights, parts))
+    result = sum(w * p[2] for w, p in zip(weights, parts)) / total.clamp_min(1e-30)
+    return torch.where(total > 0, result, torch.zeros_like(result))
 
 
 def _ragged_attention_sdpa(query, keys, values, offsets, tail_keys, tail_values, tail_len, scale, out):

@@ -147,7 +147,14 @@ def ragged_attention_triton(query, keys, values, cu_seqlens, tail_keys, tail_val
             num_warps=warps,
             num_stages=stages,
         )
-    # merge the splits of every (segment, row): log-sum-exp weights
+    return merge_splits(partial_o, partial_ml, rows, q_len, group, out)
+
+
+def merge_splits(partial_o, partial_ml, rows: int, q_len: int, group: int, out: torch.Tensor) -> torch.Tensor:
+    """Merge the kernel's splits of every (segment, row) by log-sum-exp weights into ``out`` ``(B, q, H, d)``:
+    ``partial_o`` ``(S, n_splits, rows_pad, d)``, ``partial_ml`` ``(S, n_splits, rows_pad, 2)`` (max, sum)."""
+    bsz, _, heads, head_dim = out.shape
+    num_kv_heads = heads // group
     m, denom = partial_ml[:, :, :rows, 0], partial_ml[:, :, :rows, 1]  # (S, n_splits, rows)
     peak = m.amax(1, keepdim=True)
     weight = torch.exp(m - torch.where(torch.isinf(peak), torch.zeros_like(peak), peak))

@@ -1,0 +1,24 @@
+"""The ``"cpp"`` backend of ``paged_ragged_attention``: the C++ extension's CPU kernel (``csrc/ragged_attention.cpp``).
+
+``kvpress_critical::paged_ragged_attention`` runs ragged_attention's work items and micro-kernels over a paged cache:
+region entries read in place run by run through the region table, each row's tail gathered per KV head through its
+block table and element offsets, merged by log-sum-exp (the module docstring of :mod:`..paged_ragged_attention`).
+"""
+
+import torch
+
+from kvpress_critical.ops.extension import extension_state
+
+
+def paged_ragged_attention_cpp(
+    query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
+    tail_len, key_offsets, value_offsets, scale,
+) -> torch.Tensor:  # fmt: skip
+    """See :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention`."""
+    reason = extension_state().reason
+    if reason is not None:
+        raise RuntimeError(reason)
+    return torch.ops.kvpress_critical.paged_ragged_attention(
+        query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
+        tail_len, key_offsets, value_offsets, scale,
+    )  # fmt: skip

@@ -1,0 +1,43 @@
+"""The ``"torch"`` backend of :func:`kvpress_critical.ops.paged_ragged_attention`: plain PyTorch, any device.
+
+One segment (row, KV head) at a time: its region entries and its row's tail are gathered through the block tables
+(a copy of one segment, never of the cache), then attended as the ``ragged_attention`` torch backend does (float32
+scores, the region and the tail merged by their log-sum-exp). The portable fallback: ``cpp`` (CPU) and ``triton``
+(CUDA) read the cache in place.
+"""
+
+import torch
+
+from kvpress_critical.ops.paged_ragged_attention.naive import gather_segment, gather_tail
+from kvpress_critical.ops.ragged_attention.torch_backend import _part, merge_parts
+
+
+def paged_ragged_attention_torch(
+    query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
+    tail_len, key_offsets, value_offsets, scale,
+) -> torch.Tensor:  # fmt: skip
+    """See :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention`."""
+    bsz, heads, q_len, head_dim = query.shape
+    num_kv_heads = key_offsets.shape[0]
+    group = heads // num_kv_heads
+    out = torch.zeros(bsz, q_len, heads, head_dim, dtype=query.dtype, device=query.device)
+    region_table, tail_table = region_table.cpu(), tail_table.cpu()
+    seg_start, seg_len, tail_len = seg_start.cpu(), seg_len.cpu(), tail_len.cpu()
+    key_offsets, value_offsets = key_offsets.to(query.device), value_offsets.to(query.device)
+    for b in range(bsz):
+        length = int(tail_len[b])
+        visible = (
+            torch.arange(length, device=query.device)[None, :]
+            <= (length - q_len + torch.arange(q_len, device=query.device))[:, None]
+        ).repeat(group, 1)  # (G * q, length): row g * q + i sees tail positions <= length - q + i
+        for h in range(num_kv_heads):
+            s = b * num_kv_heads + h
+            q = query[b, h * group : (h + 1) * group].reshape(group * q_len, head_dim).float() * scale
+            rk, rv = gather_segment(region_keys, region_values, region_table, seg_start, seg_len, b, s)
+            tk, tv = gather_tail(tail_keys, tail_values, tail_table, length, key_offsets, value_offsets, b, h)
+            parts = [_part(q, rk, rv, None)] if rk.shape[0] else []
+            if length:
+                parts.append(_part(q, tk, tv, visible))
+            result = merge_parts(parts, group * q_len, head_dim, query.device)
+            out[b, :, h * group : (h + 1) * group] = result.view(group, q_len, head_dim).transpose(0, 1).to(out.dtype)
+    return out

@@ -1,0 +1,64 @@
+"""The ``"triton"`` backend of ``paged_ragged_attention`` (layer 2 of 2, :mod:`.triton_kernel` is the kernel): split of
+every segment's "region, then tail" sequence into chunks (flash-decoding), grid, and ragged_attention's log-sum-exp
+merge of the partial results. Tile configuration: ragged_attention's (:func:`..ragged_attention.triton_backend.
+kernel_constants`), checked with ``ptxas`` for sm_80 / sm_90 (``python -m kvpress_critical.ops.triton_aot --op
+paged_ragged_attention``; not yet timed on a GPU)."""
+
+import contextlib
+
+import torch
+import triton
+
+from kvpress_critical.ops.paged_ragged_attention.triton_kernel import get_paged_kernel
+from kvpress_critical.ops.ragged_attention.triton_backend import kernel_constants, merge_splits
+
+
+def paged_constants(query_dtype: torch.dtype, cache_dtype: torch.dtype, rows: int, head_dim: int):
+    """``(constexprs, num_warps, num_stages)`` of the paged kernel: ragged_attention's tiles for float entries."""
+    constants, warps, stages = kernel_constants(query_dtype, cache_dtype, None, None, rows, head_dim)
+    keep = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "COMPUTE_DTYPE", "INPUT_PRECISION")
+    return {name: constants[name] for name in keep}, warps, stages
+
+
+def paged_ragged_attention_triton(
+    query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
+    tail_len, key_offsets, value_offsets, scale,
+) -> torch.Tensor:  # fmt: skip
+    """See :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention`."""
+    bsz, heads, q_len, head_dim = query.shape
+    num_kv_heads, block_size = key_offsets.shape[0], key_offsets.shape[1]
+    group = heads // num_kv_heads
+    segments, rows = bsz * num_kv_heads, group * q_len
+    out = torch.zeros(bsz, q_len, heads, head_dim, dtype=query.dtype, device=query.device)
+    if out.numel() == 0:
+        return out
+    device = query.device
+    seg_start, seg_len, tail_len = (x.to(device=device, dtype=torch.int64) for x in (seg_start, seg_len, tail_len))
+    key_offsets = key_offsets.to(device=device, dtype=torch.int64).contiguous()
+    value_offsets = value_offsets.to(device=device, dtype=torch.int64).contiguous()
+    region_table, tail_table = region_table.to(device), tail_table.to(device)
+    longest = int(seg_len.max()) + int(tail_len.max())
+    constants, warps, stages = paged_constants(query.dtype, region_keys.dtype, rows, head_dim)
+    block_m, block_n = constants["BLOCK_M"], constants["BLOCK_N"]
+    target_programs = 4 * (
+        torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    )
+    row_blocks = triton.cdiv(rows, block_m)
+    n_splits = max(1, min(triton.cdiv(longest, block_n), triton.cdiv(target_programs, segments * row_blocks)))
+    chunk = triton.cdiv(triton.cdiv(longest, n_splits), block_n) * block_n
+    n_splits = triton.cdiv(longest, chunk)
+    rows_pad = row_blocks * block_m
+    partial_o = torch.empty(segments, n_splits, rows_pad, head_dim, dtype=torch.float32, device=device)
+    partial_ml = torch.empty(segments, n_splits, rows_pad, 2, dtype=torch.float32, device=device)
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        get_paged_kernel()[(segments, n_splits, row_blocks)](
+            query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
+            tail_len, key_offsets, value_offsets, partial_o, partial_ml,
+            *query.stride(), region_keys.stride(0), region_keys.stride(1), region_values.stride(0),
+            region_values.stride(1), region_table.stride(0), tail_keys.stride(0), tail_values.stride(0),
+            tail_table.stride(0), num_kv_heads, group, q_len, head_dim, region_keys.shape[1], block_size,
+            float(scale), chunk, n_splits, rows_pad,
+            **constants, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    return merge_splits(partial_o, partial_ml, rows, q_len, group, out)

@@ -1,0 +1,142 @@
+"""The paged ragged attention op: every backend against the float64 reference, over the layouts a paged engine makes.
+
+Grid: block sizes 8 / 16 / 32, per-head region lengths 0 / 1 / odd / a whole region block / several blocks and very
+unequal across heads, GQA groups 1 / 4 / 7, head_dim 64 / 80 / 128, q_len 1 (decoding) and 6 (a chunk, causal among
+the new tokens), tails from the queries alone to several blocks (the tail's first block holds the prompt's last
+tokens and the first new ones, as in the vLLM plugin), batch 1 and 3, fp32 and bf16. Blocks are handed out in a
+shuffled order with spare blocks poisoned with NaN (an out-of-range read shows as NaN); tail keys are stored
+dimension-major inside a block (the CPU backend's vector layout), so the element offsets are not the identity.
+Triton runs in its interpreter on CPU (tiny shapes) and is compiled ahead of time for sm_80 / sm_90.
+"""
+
+import pytest
+import torch
+from op_helpers import triton_aot_rows
+
+from kvpress_critical.ops.paged_ragged_attention import (
+    PAGED_RAGGED_ATTENTION,
+    packed_segments,
+    paged_ragged_attention,
+    paged_ragged_attention_ref,
+    random_paged_layout,
+    split_offsets,
+)
+from kvpress_critical.ops.ragged_attention import ATTENTION_TOLERANCE, ragged_attention_ref
+
+CPU_BACKENDS = [n for n in ("torch", "cpp") if PAGED_RAGGED_ATTENTION[n].availability() is None]
+
+
+def seg_lens_for(bsz, block_size, num_kv_heads=2):
+    """Per (row, head) region lengths: empty, one, odd, exactly one region block, several blocks, very unequal."""
+    rows = block_size * num_kv_heads
+    lengths = [[0, 1], [rows - 7, 2 * rows + 3], [rows, 0]][:bsz] if bsz > 1 else [[5, 3 * rows + 1]]
+    return lengths
+
+
+def layout(bsz, group, q_len, head_dim, block_size, dtype, tail_extra=(0, 9, 2 * 16 + 5), seed=0):
+    seg_lens = seg_lens_for(bsz, block_size)
+    tail_lens = [q_len + tail_extra[b % len(tail_extra)] for b in range(bsz)]
+    inputs = random_paged_layout(
+        bsz, 2, group, q_len, head_dim, block_size, seg_lens, tail_lens, dtype=dtype, seed=seed
+    )
+    used = set(inputs["region_table"].flatten().tolist()) | set(inputs["tail_table"].flatten().tolist())
+    spare = [b for b in range(inputs["region_keys"].shape[0]) if b not in used]
+    inputs["tail_keys"][spare] = float("nan")  # the same storage as the region's rows
+    return inputs
+
+
+def check(backend, bsz, group, q_len, head_dim, block_size, dtype):
+    inputs = layout(bsz, group, q_len, head_dim, block_size, dtype)
+    ref = paged_ragged_attention_ref(**inputs).double()
+    out = paged_ragged_attention(**inputs, backend=backend)
+    assert out.shape == (bsz, q_len, 2 * group, head_dim) and out.dtype == dtype
+    assert not torch.isnan(out).any(), f"{backend}: NaN (a read outside the row's blocks)"
+    rtol, atol = ATTENTION_TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=atol + rtol * 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("q_len", [1, 6])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("bsz", [1, 3])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_cpu_backends_match_reference(backend, bsz, block_size, q_len, group, head_dim, dtype):
+    check(backend, bsz, group, q_len, head_dim, block_size, dtype)
+
+
+@pytest.mark.parametrize("q_len", [1, 6])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_triton_matches_reference(block_size, group, q_len):
+    backend = PAGED_RAGGED_ATTENTION["triton"]
+    if backend.availability() is not None or "cpu" not in backend.device_types():
+        pytest.skip(backend.availability() or "Triton runs on CPU tensors only under its interpreter")
+    check("triton", 3, group, q_len, 64, block_size, torch.float32)
+
+
+def test_the_reference_is_ragged_attention_over_the_gathered_entries():
+    """The paged layout holds what the compact layout holds: gathered segment by segment into packed entries and a
+    dense tail, ``ragged_attention_ref`` gives the same output (tails of equal length)."""
+    from kvpress_critical.ops.paged_ragged_attention.naive import gather_segment, gather_tail
+
+    bsz, group, q_len, head_dim, block_size = 2, 3, 4, 32, 8
+    inputs = random_paged_layout(bsz, 2, group, q_len, head_dim, block_size, [[3, 40], [17, 0]], [11, 11], seed=3)
+    keys, values, tail_k, tail_v = [], [], [], []
+    for b in range(bsz):
+        heads_k, heads_v = [], []
+        for h in range(2):
+            k, v = gather_segment(inputs["region_keys"], inputs["region_values"], inputs["region_table"],
+                                  inputs["seg_start"], inputs["seg_len"], b, b * 2 + h)  # fmt: skip
+            keys.append(k)
+            values.append(v)
+            tk, tv = gather_tail(inputs["tail_keys"], inputs["tail_values"], inputs["tail_table"], 11,
+                                 inputs["key_offsets"], inputs["value_offsets"], b, h)  # fmt: skip
+            heads_k.append(tk)
+            heads_v.append(tv)
+        tail_k.append(torch.stack(heads_k))
+        tail_v.append(torch.stack(heads_v))
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(inputs["seg_len"], 0)])
+    ragged = ragged_attention_ref(inputs["query"], torch.cat(keys), torch.cat(values), cu, torch.stack(tail_k),
+                                  torch.stack(tail_v), 11, inputs["scale"])  # fmt: skip
+    torch.testing.assert_close(paged_ragged_attention_ref(**inputs), ragged, rtol=0, atol=1e-6)
+
+
+def test_packed_segments_and_split_offsets():
+    start, length = packed_segments(torch.tensor([[3, 0, 5], [1, 1, 1]]))
+    assert start.tolist() == [0, 3, 3, 0, 1, 2] and length.tolist() == [3, 0, 5, 1, 1, 1]
+    offsets = split_offsets(num_kv_heads=2, block_size=4, head_dim=3)  # [block, slot, head, dim]
+    assert offsets[1, 2].tolist() == [2 * 2 * 3 + 1 * 3 + k for k in range(3)]
+
+
+def test_bad_inputs_are_refused_with_their_name():
+    inputs = layout(1, 2, 1, 64, 8, torch.float32)
+    with pytest.raises(ValueError, match="tail_len >= q_len"):
+        paged_ragged_attention(**{**inputs, "tail_len": torch.zeros(1, dtype=torch.int64)}, backend="torch")
+    with pytest.raises(ValueError, match="seg_start must have 2 entries"):
+        paged_ragged_attention(**{**inputs, "seg_start": inputs["seg_start"][:1]}, backend="torch")
+    with pytest.raises(ValueError, match="not a multiple"):
+        paged_ragged_attention(**{**inputs, "query": inputs["query"][:, :3]}, backend="torch")
+
+
+def test_the_cpp_kernel_refuses_blocks_outside_the_cache(ops):
+    inputs = layout(1, 2, 1, 64, 8, torch.float32)
+    table = inputs["region_table"].clone()
+    table[0, 0] = inputs["region_keys"].shape[0] + 5
+    with pytest.raises(RuntimeError, match="region block outside the cache"):
+        paged_ragged_attention(**{**inputs, "region_table": table}, backend="cpp")
+
+
+def test_triton_kernel_compiles_for_gpus_without_spilling():
+    """The launcher's configurations in fp32 / bf16 / fp16 at head_dim 128, bf16 at 64 and 256 and a prefill chunk,
+    compiled by Triton for sm_80 / sm_90 and assembled with ``ptxas -v``: at most a few words spill."""
+    from kvpress_critical.ops.triton_aot import PAGED_CASES
+
+    if PAGED_RAGGED_ATTENTION["triton"].availability() is not None:
+        pytest.skip(PAGED_RAGGED_ATTENTION["triton"].availability())
+    rows = triton_aot_rows("--op", "paged_ragged_attention")
+    assert len(rows) == sum(len(case[-1]) for case in PAGED_CASES)
+    assert all(0 < r["registers"] <= 255 for r in rows)
+    spilling = [r for r in rows if r["spill_stores"] > 64]
+    assert not spilling, spilling
