@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from kvpress_critical_vllm.options import CONFIG_KEY, CompressionOptions, engine_options
+from kvpress_critical_vllm.options import CONFIG_KEY, CompressionOptions, check_layout, engine_options
 
 # under vLLM's logger, so that the lines appear in vLLM's log at its level (VLLM_LOGGING_LEVEL)
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -162,6 +162,7 @@ def check_engine_config(vllm_config) -> CompressionOptions | None:
             f"worker class {worker} is not one the plugin extends ({', '.join(WORKERS)})",
             "Leave worker_cls unset (auto) on a CPU or CUDA platform",
         )
+    check_layout(options, cache.block_size, f"additional_config[{CONFIG_KEY!r}]")
     parallel.worker_cls = WORKERS[worker]
     scheduler.scheduler_cls = SCHEDULERS[bool(scheduler.async_scheduling)]
     logger.info("kvpress_critical: %s (worker %s, scheduler %s)", options, parallel.worker_cls, scheduler.scheduler_cls)

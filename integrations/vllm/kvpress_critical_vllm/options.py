@@ -28,13 +28,15 @@ CONFIG_KEY = "kvpress_critical"
 
 @dataclass(frozen=True)
 class PressSpec:
-    """How a press of the plugin selects: its base scorer and whether CriticalKV's second stage runs over it."""
+    """How a press of the plugin selects: its base scorer, whether CriticalKV's second stage runs over it, and whether
+    its KV heads share the layer's budget (AdaKV) or each keep the same count."""
 
     base: str  # "snapkv", "knorm" or "streaming_llm"
     critical: bool
+    head_wise: bool = False
 
 
-# press name -> how it selects (every KV head keeps the same number of entries)
+# press name -> how it selects
 PRESSES: dict[str, PressSpec] = {
     "critical_snapkv": PressSpec("snapkv", True),
     "snapkv": PressSpec("snapkv", False),
@@ -42,10 +44,29 @@ PRESSES: dict[str, PressSpec] = {
     "knorm": PressSpec("knorm", False),
     "critical_streaming_llm": PressSpec("streaming_llm", True),
     "streaming_llm": PressSpec("streaming_llm", False),
+    "critical_adakv_snapkv": PressSpec("snapkv", True, head_wise=True),
+    "adakv_snapkv": PressSpec("snapkv", False, head_wise=True),
 }
 
-# presses whose budgets differ per head: one block table per request cannot free their memory
-HEAD_WISE = ("adakv", "critical_adakv", "headkv", "critical_headkv", "defensivekv", "layer_defensivekv")
+# presses of this project the plugin does not run, and why
+REFUSED_PRESSES = {
+    "adakv_knorm": "the head-wise layout keeps a prompt's last (N mod block_size) tokens in every KV head, which key "
+    "norms do not select; use critical_knorm or knorm (uniform budgets)",
+    "critical_adakv_knorm": "the head-wise layout keeps a prompt's last (N mod block_size) tokens in every KV head, "
+    "which key norms do not select; use critical_knorm or knorm (uniform budgets)",
+    "adakv_streaming_llm": "StreamingLLM scores every kept entry alike, so AdaKV's budgets would only order ties; use "
+    "streaming_llm or critical_streaming_llm",
+    "critical_adakv_streaming_llm": "StreamingLLM scores every kept entry alike, so AdaKV's budgets would only order "
+    "ties; use streaming_llm or critical_streaming_llm",
+    "headkv": "HeadKV's budgets come from offline head scores the plugin does not load; use "
+    "kvpress_critical.HeadKVPress in transformers",
+    "critical_headkv": "HeadKV's budgets come from offline head scores the plugin does not load; use "
+    "kvpress_critical.CriticalHeadKVPress in transformers",
+    "defensivekv": "DefensiveKV's worst-case scores are not in the plugin; use kvpress_critical.DefensiveKVPress in "
+    "transformers",
+    "layer_defensivekv": "Layer-DefensiveKV selects across all layers at once, after the last one; use "
+    "kvpress_critical.LayerDefensiveKVPress in transformers",
+}
 
 BACKENDS = ("auto", "torch", "cpp", "cuda", "triton")
 
@@ -59,8 +80,10 @@ REQUEST_OPTIONS = (
     "epsilon",
     "norm",
     "n_sink",
+    "alpha_safeguard",
 )
-ENGINE_ONLY = ("backend", "record_selections", "max_window_size", "max_kernel_size")
+ENGINE_ONLY = ("backend", "attention_backend", "record_selections", "max_window_size", "max_kernel_size")
+ATTENTION_BACKENDS = ("auto", "torch", "cpp", "triton")
 
 # the largest bounds an engine may set: SnapKV's window is scored as a (heads, window, prompt) float32 softmax
 WINDOW_LIMIT = 4096
@@ -85,7 +108,9 @@ class CompressionOptions:
     ----------
     press : str
         One of :data:`PRESSES`: ``critical_snapkv`` (CriticalKV over SnapKV, the paper's main setting), ``snapkv``,
-        ``critical_knorm``, ``knorm``, ``critical_streaming_llm``, ``streaming_llm``.
+        ``critical_knorm``, ``knorm``, ``critical_streaming_llm``, ``streaming_llm`` (every KV head keeps the same
+        count), ``critical_adakv_snapkv`` (CriticalAdaKV, the paper's best setting) and ``adakv_snapkv`` (AdaKV's
+        head-wise budgets: a layer's heads share its budget).
     compression_ratio : float
         Fraction of the prompt's entries to evict, in ``[0, 1)``; 0 leaves the request uncompressed. Each KV head
         keeps ``max(1, int(N * (1 - ratio)))`` entries of an ``N``-token prompt, rounded up to whole KV blocks.
@@ -100,9 +125,14 @@ class CompressionOptions:
         Norm of the projected values ``V W_O``.
     n_sink : int
         StreamingLLM's sink tokens.
+    alpha_safeguard : float
+        AdaKV's safeguard: every head first keeps its top ``alpha_safeguard * n_kept`` entries, in ``[0, 1]``.
     backend : str
         Engine-wide only: backend of :func:`kvpress_critical.projected_value_norm` (``auto``, ``torch``, ``cpp``,
         ``cuda``, ``triton``), checked on the engine's device at start-up.
+    attention_backend : str
+        Engine-wide only: backend of :func:`kvpress_critical.paged_ragged_attention`, the head-wise rows' attention
+        (``auto``: ``cpp`` on CPUs, ``triton`` on GPUs; ``torch``), checked on the engine's device at start-up.
     record_selections : bool
         Engine-wide only: keep the kept positions of every request per (layer, KV head), for tests and analysis
         (``LLM.collective_rpc("kvpress_critical_selections")``, which hands them over and forgets them).
@@ -118,7 +148,9 @@ class CompressionOptions:
     epsilon: float = 1e-4
     norm: str = "l1"
     n_sink: int = 4
+    alpha_safeguard: float = 0.20
     backend: str = "auto"
+    attention_backend: str = "auto"
     record_selections: bool = False
     max_window_size: int = 256
     max_kernel_size: int = 31
@@ -136,6 +168,11 @@ class CompressionOptions:
     def critical(self) -> bool:
         """Whether CriticalKV's two-stage selection runs over the base scores."""
         return self.spec.critical
+
+    @property
+    def head_wise(self) -> bool:
+        """Whether a layer's KV heads share its budget (AdaKV), each keeping its own number of entries."""
+        return self.spec.head_wise
 
     @property
     def needs_queries(self) -> bool:
@@ -172,15 +209,9 @@ def check_options(options: CompressionOptions, where: str, engine: CompressionOp
         return OptionsError(f"{where}: {name}={getattr(options, name)!r} is not allowed: {allowed}", option=name)
 
     if not isinstance(options.press, str) or options.press not in PRESSES:
-        if isinstance(options.press, str) and (
-            options.press in HEAD_WISE or options.press.startswith(("adakv", "critical_adakv"))
-        ):
+        if isinstance(options.press, str) and options.press in REFUSED_PRESSES:
             raise OptionsError(
-                f"{where}: press={options.press!r} gives each KV head its own budget, and vLLM keeps one block "
-                "table per request (all heads of a layer share its slots), so a head-wise budget would free only "
-                "what its largest head leaves: no memory. Use a uniform press here "
-                f"({', '.join(PRESSES)}), or kvpress_critical.CompactCachePress with this press in transformers, "
-                "whose per-head layout frees head-wise budgets.",
+                f"{where}: press={options.press!r} is not run by the plugin: {REFUSED_PRESSES[options.press]}",
                 option="press",
             )
         raise fail("press", f"choose one of {', '.join(PRESSES)}")
@@ -205,12 +236,31 @@ def check_options(options: CompressionOptions, where: str, engine: CompressionOp
         raise fail("first_stage_ratio", "a number in [0, 1]")
     if not _is_number(options.epsilon) or not 0 <= options.epsilon <= 1:
         raise fail("epsilon", "a number in [0, 1]")
+    if not _is_number(options.alpha_safeguard) or not 0 <= options.alpha_safeguard <= 1:
+        raise fail("alpha_safeguard", "a number in [0, 1]")
     if options.norm not in ("l1", "l2"):
         raise fail("norm", "'l1' or 'l2'")
     if options.backend not in BACKENDS:
         raise fail("backend", f"one of {', '.join(BACKENDS)}")
+    if options.attention_backend not in ATTENTION_BACKENDS:
+        raise fail("attention_backend", f"one of {', '.join(ATTENTION_BACKENDS)}")
     if not isinstance(options.record_selections, bool):
         raise fail("record_selections", "true or false")
+
+
+def check_layout(options: CompressionOptions, block_size: int | None, where: str) -> None:
+    """
+    What the engine's block size asks of a head-wise press: its layout keeps a prompt's last ``N mod block_size``
+    tokens in every KV head (they share a block with the first new tokens), which SnapKV does for the tokens of its
+    window, so ``window_size >= block_size - 1``.
+    """
+    if options.head_wise and block_size is not None and options.window_size < block_size - 1:
+        raise OptionsError(
+            f"{where}: press={options.press!r} keeps a prompt's last (N mod block_size) tokens in every KV head, which "
+            f"SnapKV does for its window: window_size={options.window_size} must be at least block_size - 1 = "
+            f"{block_size - 1}. Raise window_size, or start the engine with a smaller block_size",
+            option="window_size",
+        )
 
 
 def _unknown(values: dict, allowed, where: str) -> None:
@@ -274,13 +324,15 @@ def request_overrides(extra_args: Any) -> dict[str, Any]:
     return values
 
 
-def resolve_options(engine: CompressionOptions, extra_args: Any) -> CompressionOptions:
-    """One request's options: the engine's, overridden by its ``extra_args``, checked against the engine's bounds."""
+def resolve_options(engine: CompressionOptions, extra_args: Any, block_size: int | None = None) -> CompressionOptions:
+    """One request's options: the engine's, overridden by its ``extra_args``, checked against the engine's bounds (and
+    its ``block_size``, :func:`check_layout`)."""
     overrides = request_overrides(extra_args)
     if not overrides:
         return engine
     options = replace(engine, **overrides)
     check_options(options, REQUEST_WHERE, engine)
+    check_layout(options, block_size, REQUEST_WHERE)
     return options
 
 

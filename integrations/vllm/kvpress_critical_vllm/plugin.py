@@ -79,7 +79,7 @@ def _checked_for_the_engine(validate_params):
             engine = engine_options(self.vllm_config.additional_config)
             if engine is not None:
                 try:
-                    resolve_options(engine, params.extra_args)
+                    resolve_options(engine, params.extra_args, self.vllm_config.cache_config.block_size)
                 except OptionsError as error:
                     raise VLLMValidationError(str(error), parameter=f"{CONFIG_KEY}.{error.option}") from error
         return result

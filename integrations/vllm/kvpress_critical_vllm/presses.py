@@ -1,9 +1,10 @@
 """Which entries a compressed request keeps, per KV head of one layer: this project's selection rules, nothing new.
 
 The base scores come from :mod:`kvpress_critical.selection.scorers` (checked bitwise against kvpress's SnapKV,
-Knorm and StreamingLLM presses), CriticalKV's two stages from :mod:`kvpress_critical.selection.criticalkv`, the
-projected-value norms from :func:`kvpress_critical.projected_value_norm`: the same calls
-``CriticalKVPress(SnapKVPress(...)).keep_mask(..., n_kept)`` makes in transformers.
+Knorm and StreamingLLM presses), CriticalKV's two stages from :mod:`kvpress_critical.selection.criticalkv`, AdaKV's
+head-wise budgets (and CriticalKV inside them) from :mod:`kvpress_critical.selection.adakv`, the projected-value norms
+from :func:`kvpress_critical.projected_value_norm`: the same calls ``CriticalKVPress(SnapKVPress(...))`` and
+``CriticalAdaKVPress(SnapKVPress(...))`` make in transformers for a budget of ``n_kept`` per head.
 
 Memory: a layer is scored a few KV heads at a time (every score here depends on one KV head's keys, values and
 query group), so what a compaction holds beside the model is bounded by :func:`compaction_bytes` for a chunk of
@@ -18,6 +19,8 @@ import torch
 
 from kvpress_critical.ops.projected_value_norm import projected_value_norm
 from kvpress_critical.selection import (
+    adaptive_head_budgets,
+    critical_adakv_keep_mask,
     critical_scores,
     first_stage_budget,
     knorm_scores,
@@ -46,6 +49,25 @@ def compaction_bytes(n_prompt: int, heads: int, group: int, head_size: int, item
     return read_back + window_attention + 24 * n_prompt
 
 
+def compaction_peak_bytes(
+    n_prompt: int, num_kv_heads: int, group: int, head_size: int, itemsize: int, window: int, layers: int,
+    head_wise: bool = True,
+) -> int:  # fmt: skip
+    """
+    The most a compaction of an ``n_prompt``-token request holds beside the model and its cache (what
+    :meth:`~kvpress_critical_vllm.worker_state.WorkerState.finish_step` allocates): one chunk of KV heads
+    (:func:`compaction_bytes`, at most :data:`CHUNK_BYTES` unless one head needs more), the layer's scores and
+    ranks (``40 H_kv N``), every layer's keep mask until it is written (``L H_kv N``, bool) and the kept keys and
+    values while they are written (one head's, ``2 N d e``, with uniform budgets; the layer's, ``2 N H_kv d e``, with
+    head-wise ones, which are moved into whole blocks). The worker reserves it from the KV pool on GPUs.
+    """
+    per_head = compaction_bytes(n_prompt, 1, group, head_size, itemsize, window)
+    chunk = max(1, min(num_kv_heads, CHUNK_BYTES // max(per_head, 1)))
+    held = compaction_bytes(n_prompt, chunk, group, head_size, itemsize, window)
+    written = 2 * n_prompt * (num_kv_heads if head_wise else 1) * head_size * itemsize
+    return held + 40 * num_kv_heads * n_prompt + layers * num_kv_heads * n_prompt + written
+
+
 def heads_per_chunk(
     options: CompressionOptions, n_prompt: int, num_kv_heads: int, group: int, head_size: int, itemsize: int
 ) -> int:
@@ -55,7 +77,7 @@ def heads_per_chunk(
     return max(1, min(num_kv_heads, CHUNK_BYTES // max(per_head, 1)))
 
 
-def keep_positions(
+def keep_mask(
     options: CompressionOptions,
     read: Reader,
     num_kv_heads: int,
@@ -65,7 +87,8 @@ def keep_positions(
     chunk: int | None = None,
 ) -> torch.Tensor:
     """
-    ``(H_kv, n_keep)`` positions each KV head keeps, ascending.
+    ``(H_kv, N)`` bool: the entries each KV head keeps. Uniform presses keep ``n_keep`` in every head; head-wise ones
+    (AdaKV's budgets) ``n_keep * H_kv`` over the layer's heads, each head its own count.
 
     Parameters
     ----------
@@ -77,7 +100,7 @@ def keep_positions(
     num_kv_heads : int
         KV heads of the layer (on this rank).
     n_keep : int
-        Entries per head (``Eviction.kept``).
+        Entries per head (``Eviction.kept``; on average over the heads for head-wise presses).
     queries : torch.Tensor, optional
         ``(W, H, d)`` post-RoPE queries of the prompt's last ``W >= window_size`` positions (SnapKV-based presses).
     o_proj_weight : torch.Tensor, optional
@@ -124,10 +147,15 @@ def keep_positions(
     if options.base == "snapkv" and base.shape[-1] + options.window_size == n_prompt:
         base = snapkv_pad_window(base, options.window_size)  # the window: the maximum over every head + 1
     base = base.float()
-    if options.critical:
-        norms = torch.cat(norm_parts, dim=1)
-        scores = critical_scores(base, norms, first_stage_budget(n_keep, options.first_stage_ratio), options.epsilon)
+    norms = torch.cat(norm_parts, dim=1) if options.critical else None
+    if options.head_wise and options.critical:
+        keep, _, _ = critical_adakv_keep_mask(
+            base, norms, n_keep, options.alpha_safeguard, options.first_stage_ratio, options.epsilon
+        )
+    elif options.head_wise:
+        keep = top_budget_mask(base, adaptive_head_budgets(base, n_keep, options.alpha_safeguard))
     else:
-        scores = base
-    keep = top_budget_mask(scores, torch.full(scores.shape[:2], n_keep, device=scores.device))[0]  # (H_kv, N)
-    return keep.nonzero()[:, 1].view(keep.shape[0], n_keep)
+        if options.critical:
+            base = critical_scores(base, norms, first_stage_budget(n_keep, options.first_stage_ratio), options.epsilon)
+        keep = top_budget_mask(base, torch.full(base.shape[:2], n_keep, device=base.device))
+    return keep[0]  # (H_kv, N)

@@ -42,10 +42,13 @@ class StepDirectives:
 
 @dataclass(frozen=True)
 class Compacted:
-    """A compaction a worker finished: ``evicted`` positions (whole blocks) are no longer read."""
+    """A compaction a worker finished: ``evicted`` positions (whole blocks) are no longer read; each KV head keeps
+    ``kept_per_head`` entries on average, from ``kept_min`` to ``kept_max`` (over layers and heads)."""
 
     evicted: int
     kept_per_head: int
+    kept_min: int
+    kept_max: int
 
 
 @dataclass

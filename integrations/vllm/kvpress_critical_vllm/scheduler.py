@@ -46,7 +46,9 @@ class CompressionRecord:
     press: str
     compression_ratio: float
     prompt_tokens: int
-    kept_per_head: int
+    kept_per_head: int  # on average over the KV heads (every head's count with a uniform press)
+    kept_min: int  # the fewest entries a KV head of some layer keeps
+    kept_max: int  # the most
     blocks_freed: int
     blocks_before: int
     preemptions: int
@@ -126,7 +128,7 @@ class CompressingSchedulerMixin:
     def _plan_request(self, request: Request) -> None:
         request_id = request.request_id
         try:
-            options = resolve_options(self.kvpress_options, request.sampling_params.extra_args)
+            options = resolve_options(self.kvpress_options, request.sampling_params.extra_args, self.kvpress_block_size)
         except OptionsError as error:  # checked in the caller already; a client that skipped it gets no compression
             self._leave_uncompressed(request_id, f"its options are invalid ({error})", "invalid_options")
             return
@@ -242,7 +244,7 @@ class CompressingSchedulerMixin:
                 continue
             if tracked.directed_at != request.num_preemptions or done.evicted != directive.eviction.evicted:
                 continue  # preempted since the directive was sent: its blocks were all freed, it is redone later
-            self._free_evicted(request, tracked)
+            self._free_evicted(request, tracked, done)
         return broken
 
     def _end_broken(self, request_ids: list[str], outputs: dict) -> None:
@@ -260,7 +262,7 @@ class CompressingSchedulerMixin:
             )
             outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(ended)
 
-    def _free_evicted(self, request: Request, tracked: Tracked) -> None:
+    def _free_evicted(self, request: Request, tracked: Tracked, done) -> None:
         plan = tracked.eviction
         managers = self.kv_cache_manager.coordinator.single_type_managers
         blocks_before = len(managers[0].req_to_blocks.get(request.request_id, ()))
@@ -274,6 +276,8 @@ class CompressingSchedulerMixin:
             compression_ratio=options.compression_ratio,
             prompt_tokens=plan.n_prompt,
             kept_per_head=plan.kept,
+            kept_min=done.kept_min,
+            kept_max=done.kept_max,
             blocks_freed=plan.blocks_freed,
             blocks_before=blocks_before,
             preemptions=request.num_preemptions,
@@ -284,12 +288,14 @@ class CompressingSchedulerMixin:
             entries_kept=plan.kept * self._kvpress_kv_heads * self._kvpress_layers,
             blocks_freed=plan.blocks_freed,
         )
+        spread = f" (head-wise: {done.kept_min} to {done.kept_max})" if options.head_wise else ""
         logger.info(
-            "kvpress_critical: request %s: prompt %d tokens, %d entries kept per KV head (%s, compression_ratio "
+            "kvpress_critical: request %s: prompt %d tokens, %d entries kept per KV head%s (%s, compression_ratio "
             "%.3g, budget %d), %d of %d blocks freed%s",
             request.request_id,
             plan.n_prompt,
             plan.kept,
+            spread,
             options.press,
             options.compression_ratio,
             plan.budget,

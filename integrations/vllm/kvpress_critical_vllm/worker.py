@@ -10,6 +10,7 @@ report (:mod:`kvpress_critical_vllm.protocol`).
 
 from __future__ import annotations
 
+import logging
 from copy import copy
 
 import torch
@@ -18,6 +19,9 @@ from kvpress_critical_vllm.attention import CompressingBuilderMixin, Compressing
 from kvpress_critical_vllm.engine_config import EngineConfigError
 from kvpress_critical_vllm.protocol import REPORT_ATTRIBUTE, StepReport
 from kvpress_critical_vllm.worker_state import WorkerState
+
+# under vLLM's logger, so that the lines appear in vLLM's log at its level (VLLM_LOGGING_LEVEL)
+logger = logging.getLogger(f"vllm.{__name__}")
 
 
 def with_report(output, report: StepReport):
@@ -65,6 +69,39 @@ class CompressingWorkerMixin:
         result = super().load_model(*args, **kwargs)
         self.kvpress_state.bind_model(self.model_runner.get_model())
         return result
+
+    def determine_available_memory(self, *args, **kwargs) -> int:
+        """vLLM's KV budget, less the most a compaction holds (on GPUs; on CPUs the pool's size is set explicitly)."""
+        available = super().determine_available_memory(*args, **kwargs)
+        reserve = self._compaction_reserve()
+        config = self.vllm_config.model_config
+        if self.vllm_config.device_config.device_type == "cpu":
+            logger.info(
+                "kvpress_critical: a compaction of a %d-token prompt holds up to %.1f MiB beside the model and the KV "
+                "pool; leave that much memory free beside kv_cache_memory_bytes / VLLM_CPU_KVCACHE_SPACE",
+                config.max_model_len,
+                reserve / 2**20,
+            )
+            return available
+        logger.info(
+            "kvpress_critical: %.1f MiB of the KV budget reserved for compacting a %d-token prompt",
+            reserve / 2**20,
+            config.max_model_len,
+        )
+        return max(0, available - reserve)
+
+    def _compaction_reserve(self) -> int:
+        from kvpress_critical_vllm.presses import compaction_peak_bytes
+
+        model = self.vllm_config.model_config
+        parallel = self.vllm_config.parallel_config
+        num_kv_heads = model.get_num_kv_heads(parallel)
+        group = max(1, model.get_num_attention_heads(parallel) // max(1, num_kv_heads))
+        options = self.kvpress_state.engine_options
+        return compaction_peak_bytes(
+            model.max_model_len, num_kv_heads, group, model.get_head_size(), model.dtype.itemsize,
+            options.max_window_size, model.get_num_layers(parallel),
+        )  # fmt: skip
 
     def initialize_from_config(self, *args, **kwargs):
         result = super().initialize_from_config(*args, **kwargs)
@@ -128,6 +165,18 @@ class CompressingWorkerMixin:
             raise EngineConfigError(
                 f"kvpress_critical cannot run the projected norm's backend {backend!r} on {weight.device} "
                 f"({error}). Set additional_config['kvpress_critical']['backend'] to 'auto' (or one that runs here)."
+            ) from error
+        from kvpress_critical.ops.paged_ragged_attention import paged_ragged_attention, random_paged_layout
+
+        attention = state.engine_options.attention_backend
+        probe = random_paged_layout(1, 1, 1, 1, head_size, 16, [[3]], [2], dtype=weight.dtype, device=weight.device)
+        try:
+            paged_ragged_attention(**probe, backend=attention)
+        except Exception as error:  # noqa: BLE001
+            raise EngineConfigError(
+                f"kvpress_critical cannot run the head-wise attention's backend {attention!r} on {weight.device} "
+                f"({error}). Set additional_config['kvpress_critical']['attention_backend'] to 'auto' (or one that "
+                "runs here)."
             ) from error
 
     def execute_model(self, scheduler_output, *args, **kwargs):

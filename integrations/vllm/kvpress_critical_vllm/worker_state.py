@@ -10,6 +10,15 @@ every tensor-parallel rank), so a request is either compacted whole or left exac
 :class:`~kvpress_critical_vllm.protocol.StepReport` goes back to the scheduler, which frees blocks only for the
 requests it lists as compacted.
 
+A uniform press keeps the same count in every KV head: the kept entries move into the slots of positions
+``E .. N-1`` and the row attends, with the backend's own kernel, over a view that starts after ``E``. A head-wise press
+(AdaKV's budgets) keeps a different count in each head: every head keeps the prompt's last ``N mod block_size``
+tokens (they share a block with the first new tokens, in the backend's order), and the rest of each head's entries
+move, packed head after head, into the whole blocks of positions ``E .. B-1`` (``B`` the last block boundary of the
+prompt), read as rows of keys and values (:func:`kvpress_critical_vllm.layouts.region_views`); the row then attends
+with :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention` over its region and its tail
+(positions ``B ..``), and the backend's kernel only sees the row's last block, whose result is replaced.
+
 A request is known here from the step that compacts it (or saves its window queries) until it finishes or is
 preempted: the state never grows with the requests served.
 """
@@ -22,7 +31,8 @@ from typing import Any
 
 import torch
 
-from kvpress_critical_vllm.presses import heads_per_chunk, keep_positions
+from kvpress_critical_vllm.layouts import region_views
+from kvpress_critical_vllm.presses import heads_per_chunk, keep_mask
 from kvpress_critical_vllm.protocol import DIRECTIVES_ATTRIBUTE, Compact, Compacted, StepDirectives, StepReport
 
 # under vLLM's logger, so that the lines appear in vLLM's log at its level (VLLM_LOGGING_LEVEL)
@@ -31,6 +41,10 @@ logger = logging.getLogger(f"vllm.{__name__}")
 
 class PluginStateError(RuntimeError):
     """The workers and the scheduler disagree about a request: a bug, which stops rather than answers wrongly."""
+
+
+class LayoutError(ValueError):
+    """A selection the head-wise layout cannot hold (the request then stays uncompressed)."""
 
 
 @dataclass
@@ -56,14 +70,37 @@ class QuerySave:
 
 
 @dataclass
+class HeadWise:
+    """A compacted head-wise request: its region (whole blocks of positions ``evicted .. region_end - 1``) and the
+    entries each KV head keeps there, per layer, packed head after head."""
+
+    evicted: int
+    region_end: int
+    counts: torch.Tensor  # (L, H_kv) int64
+
+
+@dataclass
+class HeadWiseRows:
+    """The head-wise rows of a step, as :func:`paged_ragged_attention` takes them (their queries: ``tokens``)."""
+
+    tokens: torch.Tensor  # (rows,) int64 the token of each row in the step's query / output
+    region_table: torch.Tensor  # (rows, M) int64
+    seg_start: torch.Tensor  # (L, rows * H_kv) int64
+    seg_len: torch.Tensor  # (L, rows * H_kv) int64
+    tail_table: torch.Tensor  # (rows, T) int64
+    tail_len: torch.Tensor  # (rows,) int64
+
+
+@dataclass
 class StepPlan:
-    shift: torch.Tensor | None = None  # (num_reqs,) evicted positions of each row already compressed
+    shift: torch.Tensor | None = None  # (num_reqs,) positions out of each row's view (the backend's kernel)
     jobs: list[Job] = field(default_factory=list)
     saves: list[QuerySave] = field(default_factory=list)
+    head_wise: HeadWiseRows | None = None
 
     @property
     def captures(self) -> bool:
-        return bool(self.jobs or self.saves)
+        return bool(self.jobs or self.saves or self.head_wise is not None)
 
 
 @torch.no_grad()
@@ -102,6 +139,9 @@ class WorkerState:
         self.block_size: int | None = None  # the paged cache's block size (set with the layout)
         self.tp_size = 1
         self.shifts: dict[str, int] = {}  # compacted request -> evicted positions its attention skips
+        self.head_wise: dict[str, HeadWise] = {}  # compacted head-wise request -> its region
+        self.layer_index: dict[str, int] = {}  # attention layer name -> its index among the compressed layers
+        self.tail_offsets: tuple[torch.Tensor, torch.Tensor] | None = None  # (H_kv, bs, d) element offsets
         self.queries: dict[str, dict[str, torch.Tensor]] = {}  # request -> layer -> last window queries so far
         self.selections: dict[str, dict[str, torch.Tensor]] = {}  # record_selections only
         self.compacted_requests = 0
@@ -111,13 +151,14 @@ class WorkerState:
 
     def close(self) -> None:
         self.shifts.clear()
+        self.head_wise.clear()
         self.queries.clear()
         self.o_proj.clear()
 
     @property
     def tracked_requests(self) -> int:
         """Requests this worker keeps state for (compacted, or saving window queries)."""
-        return len(self.shifts.keys() | self.queries.keys())
+        return len(self.shifts.keys() | self.head_wise.keys() | self.queries.keys())
 
     # ---------------------------------------------------------------------------------------------------- model
     def bind_model(self, model: torch.nn.Module) -> None:
@@ -139,6 +180,7 @@ class WorkerState:
                     "models whose attention block holds `attn` and a dense `o_proj` (Llama, Mistral, Qwen2/3, Phi-3)."
                 )
             self.o_proj[module.layer_name] = weight
+            self.layer_index[module.layer_name] = len(self.layer_index)
         if not self.o_proj:
             raise EngineConfigError("kvpress_critical found no attention layer to compress in this model")
 
@@ -150,6 +192,7 @@ class WorkerState:
         gone.update(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
         for request_id in gone:
             self.shifts.pop(request_id, None)
+            self.head_wise.pop(request_id, None)
             self.queries.pop(request_id, None)
         self._directives = getattr(scheduler_output, DIRECTIVES_ATTRIBUTE, None) or StepDirectives()
         self._plan = None
@@ -180,12 +223,22 @@ class WorkerState:
         starts = cm.query_start_loc_cpu[: num_reqs + 1].tolist()
         computed = batch.num_computed_tokens_cpu[:num_reqs].tolist()
         shift = [0] * num_reqs
+        head_wise_rows = []
         directives = self._directives
         for row, request_id in enumerate(batch.req_ids[:num_reqs]):
+            before, scheduled = computed[row], starts[row + 1] - starts[row]
             if request_id in self.shifts:
                 shift[row] = self.shifts[request_id]
+            elif request_id in self.head_wise:
+                if scheduled != 1:
+                    raise PluginStateError(
+                        f"kvpress_critical: head-wise request {request_id} runs {scheduled} tokens in one step after "
+                        "its compaction; the plugin attends over head-wise entries one decoding token at a time"
+                    )
+                # the backend's kernel attends over the row's last block only (its result is replaced)
+                shift[row] = (before + scheduled - 1) // block_size * block_size
+                head_wise_rows.append((row, request_id, before + scheduled))
             job = directives.compact.get(request_id)
-            before, scheduled = computed[row], starts[row + 1] - starts[row]
             if job is not None:
                 evict = job.eviction
                 if before + scheduled != evict.n_prompt or evict.block_size != block_size:
@@ -204,8 +257,62 @@ class WorkerState:
             raise PluginStateError(f"kvpress_critical: directives for requests not in this step's batch: {missing}")
         if any(shift):
             plan.shift = torch.tensor(shift, dtype=torch.int64)
+        if head_wise_rows:
+            plan.head_wise = self._head_wise_rows(head_wise_rows, starts, cm.block_table_tensor, block_size)
         self._plan = plan
         return plan
+
+    def _head_wise_rows(self, rows, starts, block_table: torch.Tensor, block_size: int) -> HeadWiseRows:
+        """The paged attention's inputs for the step's head-wise rows: region and tail tables, per-layer segments."""
+        device = block_table.device
+        regions, tails, counts, tail_lens = [], [], [], []
+        for row, request_id, seq_len in rows:
+            state = self.head_wise[request_id]
+            first, boundary = state.evicted // block_size, state.region_end // block_size
+            regions.append(block_table[row, first:boundary])
+            tails.append(block_table[row, boundary : -(-seq_len // block_size)])
+            counts.append(state.counts)
+            tail_lens.append(seq_len - state.region_end)
+        counts = torch.stack(counts, dim=1)  # (L, rows, H_kv)
+        seg_len = counts.reshape(counts.shape[0], -1)
+        seg_start = (torch.cumsum(counts, dim=2) - counts).reshape(counts.shape[0], -1)
+
+        def table(parts):
+            width = max(1, max(part.numel() for part in parts))
+            out = torch.zeros(len(parts), width, dtype=torch.int64, device=device)
+            for i, part in enumerate(parts):
+                out[i, : part.numel()] = part
+            return out
+
+        return HeadWiseRows(
+            tokens=torch.tensor([starts[row] for row, _, _ in rows], dtype=torch.int64, device=device),
+            region_table=table(regions),
+            seg_start=seg_start.to(device),
+            seg_len=seg_len.to(device),
+            tail_table=table(tails),
+            tail_len=torch.tensor(tail_lens, dtype=torch.int64),
+        )
+
+    def attend_head_wise(self, layer, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, plan) -> None:
+        """The head-wise rows' attention over their regions and tails, written over the backend's output rows."""
+        from kvpress_critical.ops.paged_ragged_attention import paged_ragged_attention
+
+        rows = plan.head_wise
+        index = self.layer_index[layer.layer_name]
+        impl = layer.impl
+        region_keys, region_values = region_views(kv_cache)
+        flat = kv_cache.view(kv_cache.shape[0], -1)
+        if self.tail_offsets is None:
+            self.tail_offsets = self.layout.tail_offsets(kv_cache)
+        key_offsets, value_offsets = self.tail_offsets
+        heads = query.shape[1]
+        queries = query[rows.tokens].reshape(-1, heads, 1, query.shape[-1])  # (rows, H, 1, d)
+        out = paged_ragged_attention(
+            queries, region_keys, region_values, rows.region_table, rows.seg_start[index], rows.seg_len[index],
+            flat, flat, rows.tail_table, rows.tail_len, key_offsets, value_offsets, impl.scale,
+            backend=self.engine_options.attention_backend,
+        )  # fmt: skip
+        output[rows.tokens] = out[:, 0].to(output.dtype)
 
     def capture(self, layer_name: str, query: torch.Tensor, plan: StepPlan) -> None:
         """After a layer's attention: keep the window queries the plan needs (clones: the buffer is reused)."""
@@ -232,9 +339,14 @@ class WorkerState:
         if plan is None or not plan.jobs:
             return
         selected: list[dict[str, torch.Tensor] | None] = []
+        reasons: dict[str, str] = {}
         for job in plan.jobs:
             try:
                 selected.append(self._select(job, attention_layers))
+            except LayoutError as error:
+                logger.info("kvpress_critical: request %s: %s", job.directive.request_id, error)
+                selected.append(None)
+                reasons[job.directive.request_id] = f"its selection does not fit the head-wise layout ({error})"
             except Exception as error:  # noqa: BLE001 - any failure leaves this request whole, never the engine down
                 logger.warning(
                     "kvpress_critical: selection failed for request %s; it stays uncompressed: %r",
@@ -248,7 +360,7 @@ class WorkerState:
         for job, kept, fail in zip(plan.jobs, selected, failed):
             request_id = job.directive.request_id
             if fail:
-                self._report.uncompressed[request_id] = (
+                self._report.uncompressed[request_id] = reasons.get(request_id) or (
                     "its selection failed on this worker" if kept is None else "its selection failed on another rank"
                 )
                 continue
@@ -259,11 +371,22 @@ class WorkerState:
                 self._report.broken[request_id] = f"its compaction failed midway ({error!r})"
                 continue
             evict = job.directive.eviction
-            self.shifts[request_id] = evict.evicted
+            if job.directive.options.head_wise:
+                counts = torch.stack([mask.sum(dim=1) for mask in kept.values()])  # (L, H_kv), the pinned tail in
+                pinned = evict.n_prompt % evict.block_size
+                self.head_wise[request_id] = HeadWise(evict.evicted, evict.n_prompt - pinned, counts - pinned)
+            else:
+                self.shifts[request_id] = evict.evicted
+                counts = torch.full((1, 1), evict.kept)
             self.compacted_requests += 1
-            self._report.compacted[request_id] = Compacted(evicted=evict.evicted, kept_per_head=evict.kept)
+            self._report.compacted[request_id] = Compacted(
+                evicted=evict.evicted, kept_per_head=evict.kept, kept_min=int(counts.min()), kept_max=int(counts.max())
+            )
             if job.directive.options.record_selections:
-                self.selections[request_id] = {name: positions.cpu() for name, positions in kept.items()}
+                self.selections[request_id] = {
+                    name: [mask[h].nonzero().flatten().cpu() for h in range(mask.shape[0])]
+                    for name, mask in kept.items()
+                }
 
     def _slots(self, job: Job) -> torch.Tensor:
         evict = job.directive.eviction
@@ -287,7 +410,7 @@ class WorkerState:
             def read(first: int, end: int, kv_cache=kv_cache):
                 return self.layout.read(kv_cache, slots, slice(first, end))
 
-            kept[name] = keep_positions(
+            mask = keep_mask(
                 options,
                 read,
                 num_kv_heads,
@@ -296,18 +419,51 @@ class WorkerState:
                 o_proj_weight=self.o_proj[name] if options.critical else None,
                 chunk=chunk,
             )
+            if options.head_wise:
+                boundary = evict.n_prompt // evict.block_size * evict.block_size
+                if not bool(mask[:, boundary:].all()):
+                    raise LayoutError(
+                        f"layer {name} drops some of the prompt's last {evict.n_prompt - boundary} tokens in a KV "
+                        "head, which the head-wise layout keeps in every head"
+                    )
+            kept[name] = mask
         return kept
 
     def _write(self, job: Job, kept: dict[str, torch.Tensor], attention_layers: dict) -> None:
-        """Each head's kept entries into its slots of positions ``E .. N-1``, in position order, one head at a time
-        (what it holds beside the cache: one head's kept keys and values)."""
+        """
+        Uniform presses: each head's kept entries into its slots of positions ``E .. N-1``, in position order, one head
+        at a time (what it holds beside the cache: one head's kept keys and values). Head-wise presses: each head's
+        kept entries before the prompt's last block boundary ``B``, packed head after head into the rows of the whole
+        blocks of positions ``E .. B-1`` (the layer's kept entries are read first: they move within those blocks).
+        """
         slots = self._slots(job)
-        target = slots[job.directive.eviction.evicted :]
-        for name, positions in kept.items():
+        evict = job.directive.eviction
+        if job.directive.options.head_wise:
+            boundary = evict.n_prompt // evict.block_size * evict.block_size
+            region = job.block_ids[evict.evicted // evict.block_size : boundary // evict.block_size].long()
+            for name, mask in kept.items():
+                kv_cache = attention_layers[name].kv_cache
+                parts = [
+                    self.layout.read(kv_cache, slots[mask[head, :boundary].nonzero().flatten()], slice(head, head + 1))
+                    for head in range(mask.shape[0])
+                ]
+                keys = torch.cat([k[:, 0] for k, _ in parts])  # (region rows, d), head after head
+                values = torch.cat([v[:, 0] for _, v in parts])
+                region_keys, region_values = region_views(kv_cache)
+                rows = region_keys.shape[1]
+                if keys.shape[0] != region.numel() * rows:
+                    raise PluginStateError(
+                        f"kvpress_critical: {keys.shape[0]} kept entries for a region of {region.numel()} blocks"
+                    )
+                region_keys[region] = keys.view(-1, rows, keys.shape[-1])
+                region_values[region] = values.view(-1, rows, values.shape[-1])
+            return
+        target = slots[evict.evicted :]
+        for name, mask in kept.items():
             kv_cache = attention_layers[name].kv_cache
-            for head in range(positions.shape[0]):
+            for head in range(mask.shape[0]):
                 heads = slice(head, head + 1)
-                keys, values = self.layout.read(kv_cache, slots[positions[head]], heads)
+                keys, values = self.layout.read(kv_cache, slots[mask[head].nonzero().flatten()], heads)
                 self.layout.write(kv_cache, target, heads, keys, values)
 
     def _agree_across_ranks(self, failed: list[bool]) -> list[bool]:
@@ -327,6 +483,9 @@ class WorkerState:
         return report
 
     def take_selections(self) -> dict[str, dict[str, Any]]:
-        """The recorded selections (``{request_id: {layer_name: (H_kv, kept) positions}}``), then forgotten."""
+        """The recorded selections (``{request_id: {layer_name: [positions of each KV head]}}``), then forgotten."""
         selections, self.selections = self.selections, {}
-        return {rid: {name: kept.tolist() for name, kept in layers.items()} for rid, layers in selections.items()}
+        return {
+            rid: {name: [positions.tolist() for positions in heads] for name, heads in layers.items()}
+            for rid, layers in selections.items()
+        }

@@ -3,19 +3,20 @@
 The plugin's environment has vLLM's transformers and no kvpress, so its selection test asks kvpress's environment,
 through this script: JSON on stdin (``{"model": path, "requests": [{"prompt_ids", "press", "n_kept", options}]}``),
 JSON on stdout (per request, per layer, the kept positions of each KV head, ascending). Each layer keeps exactly
-``n_kept`` entries per head: the plugin's block-aligned count, so that both select for the same budget.
+``n_kept`` entries per head (on average over the heads for the head-wise presses, AdaKV's budgets): the plugin's
+block-aligned count, so that both select for the same budget.
 """
 
 import json
 import sys
 
 import torch
-from kvpress import BasePress, KnormPress, SnapKVPress, StreamingLLMPress
+from kvpress import AdaKVPress, BasePress, KnormPress, SnapKVPress, StreamingLLMPress
 from transformers import AutoModelForCausalLM
 
-from kvpress_critical import CriticalKVPress
+from kvpress_critical import CriticalAdaKVPress, CriticalKVPress
+from kvpress_critical.presses.budgeted import keep_mask
 from kvpress_critical.presses.layer_input import LayerInput
-from kvpress_critical.selection import top_budget_mask
 
 BASES = {"snapkv": SnapKVPress, "knorm": KnormPress, "streaming_llm": StreamingLLMPress}
 
@@ -27,12 +28,10 @@ class KeepCapture(BasePress):
         self.press, self.n_kept, self.kept = press, n_kept, {}
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
-        if isinstance(self.press, CriticalKVPress):
-            layer = LayerInput.from_compress(module, hidden_states, keys, values, attentions, kwargs)
-            mask = self.press.keep_mask(layer, self.n_kept)
-        else:  # kvpress's ScorerPress.compress: the top n_kept scores of each head
-            scores = self.press.score(module, hidden_states, keys, values, attentions, kwargs)
-            mask = top_budget_mask(scores, torch.full(scores.shape[:2], self.n_kept))
+        # the one path by which this project's presses select for an explicit budget (kvpress's ScorerPress: its
+        # scores and a per-head top-k; kvpress's AdaKVPress: its scorer's scores and AdaKV's budgets)
+        layer = LayerInput.from_compress(module, hidden_states, keys, values, attentions, kwargs)
+        mask = keep_mask(self.press, layer, self.n_kept)
         self.kept[module.layer_idx] = [row.nonzero().flatten().tolist() for row in mask[0]]
         return keys, values
 
@@ -50,13 +49,16 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32, attn_implementation="sdpa").eval()
     results = []
     for request in job["requests"]:
-        critical = request["press"].startswith("critical_")
-        base = base_press(request["press"].removeprefix("critical_"), request)
-        press = (
-            CriticalKVPress(base, first_stage_ratio=request["first_stage_ratio"], epsilon=request["epsilon"])
-            if critical
-            else base
-        )
+        name = request["press"]
+        critical, head_wise = name.startswith("critical_"), "adakv_" in name
+        base = base_press(name.removeprefix("critical_").removeprefix("adakv_"), request)
+        stages = dict(first_stage_ratio=request["first_stage_ratio"], epsilon=request["epsilon"])
+        if head_wise and critical:
+            press = CriticalAdaKVPress(base, alpha_safeguard=request["alpha_safeguard"], **stages)
+        elif head_wise:
+            press = AdaKVPress(base, alpha_safeguard=request["alpha_safeguard"])
+        else:
+            press = CriticalKVPress(base, **stages) if critical else base
         n_prompt = len(request["prompt_ids"])
         # only StreamingLLM reads its ratio (for its pruned count): int(N * (1 - ratio)) == n_kept exactly
         base.compression_ratio = 1 - (request["n_kept"] + 0.5) / n_prompt

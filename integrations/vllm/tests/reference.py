@@ -49,3 +49,55 @@ def greedy_after_eviction(model, prompt_ids: list[int], kept: dict[str, list[lis
         )
         tokens.append(int(out.logits[0, -1].argmax()))
     return tokens
+
+
+_DROPPED: dict[int, torch.Tensor] = {}  # layer index -> (H_kv, N) bool: the prompt entries a KV head dropped
+
+
+def _masked_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Eager attention in which each KV head skips the prompt entries it dropped (``_DROPPED``), kvpress's masking."""
+    group = query.shape[1] // key.shape[1]
+    keys = key.repeat_interleave(group, dim=1)
+    values = value.repeat_interleave(group, dim=1)
+    weights = torch.matmul(query, keys.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    dropped = _DROPPED.get(module.layer_idx)
+    if dropped is not None:
+        hidden = torch.zeros(weights.shape[1], weights.shape[-1], dtype=torch.bool)
+        hidden[:, : dropped.shape[1]] = dropped.repeat_interleave(group, dim=0)
+        weights = weights.masked_fill(hidden[None, :, None, :], float("-inf"))
+    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, values).transpose(1, 2).contiguous(), weights
+
+
+@torch.no_grad()
+def greedy_with_head_masks(model, prompt_ids: list[int], kept: dict[str, list[list[int]]], max_new_tokens: int):
+    """
+    Greedy tokens of ``model`` after prefilling ``prompt_ids`` with every entry, then decoding with each layer's KV
+    head attending only to the prompt positions ``kept[layer_name][head]`` (any number per head) and every new token:
+    kvpress's masking of head-wise presses, written out.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("kvpress_critical_masked", _masked_eager)
+    n_prompt = len(prompt_ids)
+    cache = DynamicCache()
+    out = model(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    _DROPPED.clear()
+    for name, heads in kept.items():
+        dropped = torch.ones(len(heads), n_prompt, dtype=torch.bool)
+        for head, positions in enumerate(heads):
+            dropped[head, positions] = False
+        _DROPPED[layer_index(name)] = dropped
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("kvpress_critical_masked")
+    try:
+        for _ in range(max_new_tokens - 1):
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+    finally:
+        model.set_attn_implementation(previous)
+        _DROPPED.clear()
+    return tokens

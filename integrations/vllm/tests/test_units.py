@@ -6,8 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kvpress_critical_vllm.attention import LearnedBlockLayout, check_round_trip, shifted_view
+from kvpress_critical_vllm.attention import shifted_view
 from kvpress_critical_vllm.budget import eviction
+from kvpress_critical_vllm.layouts import LearnedBlockLayout, check_round_trip
 from kvpress_critical_vllm.options import CompressionOptions, OptionsError, engine_options, resolve_options
 
 
@@ -193,7 +194,7 @@ def test_a_worker_forgets_finished_and_resumed_requests():
         ({"kernel_size": 33}, "kernel_size", "[1, 31]"),
         ({"backend": "cpp"}, "backend", "whole engine"),
         ({"max_window_size": 4096}, "max_window_size", "whole engine"),
-        ({"press": "critical_adakv"}, "press", "one block table per request"),
+        ({"press": "adakv_knorm"}, "press", "N mod block_size"),
     ],
 )
 def test_a_request_is_held_to_the_engines_bounds(overrides, option, allowed):
@@ -238,3 +239,46 @@ def test_the_metrics_collector_sums_engines_and_drops_dead_gauges(tmp_path, monk
     assert sum(s.value for s in families["vllm:kvpress_critical_scheduler_tracked_requests"].samples) == 0
     assert sum(s.value for s in families["vllm:kvpress_critical_requests_compressed"].samples) == 2
     assert os.getpid() == json.loads(writers[1].path.read_text())["pid"]
+
+
+# ------------------------------------------------------------------------------------------- chunked selection
+@pytest.mark.parametrize(
+    "press",
+    ["critical_snapkv", "snapkv", "critical_knorm", "critical_streaming_llm", "critical_adakv_snapkv", "adakv_snapkv"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scoring_a_few_kv_heads_at_a_time_keeps_the_same_entries(press, dtype):
+    from kvpress_critical_vllm.presses import keep_mask
+
+    generator = torch.Generator().manual_seed(0)
+    n_prompt, num_kv_heads, group, head_size = 700, 4, 3, 32
+    keys = torch.randn(n_prompt, num_kv_heads, head_size, generator=generator).to(dtype)
+    values = torch.randn(n_prompt, num_kv_heads, head_size, generator=generator).to(dtype)
+    queries = torch.randn(64, num_kv_heads * group, head_size, generator=generator).to(dtype)
+    o_proj = torch.randn(96, num_kv_heads * group * head_size, generator=generator).to(dtype)
+    options = CompressionOptions(press=press, compression_ratio=0.5)
+
+    def read(first, end):
+        return keys[:, first:end], values[:, first:end]
+
+    whole = keep_mask(options, read, num_kv_heads, 350, queries=queries, o_proj_weight=o_proj)
+    counts = whole.sum(dim=1)
+    assert int(counts.sum()) == 350 * num_kv_heads
+    assert (len(set(counts.tolist())) > 1) == options.head_wise  # AdaKV's budgets differ across heads
+    for chunk in (1, 3):
+        assert torch.equal(keep_mask(options, read, num_kv_heads, 350, queries, o_proj, chunk=chunk), whole)
+
+
+def test_the_compaction_memory_formula_bounds_a_chunk():
+    from kvpress_critical_vllm.presses import CHUNK_BYTES, compaction_bytes, compaction_peak_bytes, heads_per_chunk
+
+    options = CompressionOptions(compression_ratio=0.5, window_size=64)
+    # Llama-3.1-8B in bfloat16 (8 KV heads of 128, groups of 4) at 128K tokens: one KV head at a time
+    assert heads_per_chunk(options, 131072, 8, 4, 128, 2) == 1
+    assert heads_per_chunk(options, 4096, 8, 4, 128, 2) == 8  # a short prompt: every head at once
+    one_head = compaction_bytes(131072, 1, 4, 128, 2, 64)
+    assert one_head > CHUNK_BYTES and 400 * 2**20 < one_head < 600 * 2**20
+    uniform = compaction_peak_bytes(131072, 8, 4, 128, 2, 64, 32, head_wise=False)
+    assert one_head < uniform < one_head + 250 * 2**20
+    head_wise = compaction_peak_bytes(131072, 8, 4, 128, 2, 64, 32, head_wise=True)
+    assert head_wise - uniform == 2 * 131072 * 7 * 128 * 2  # the layer's kept entries, read before they move

@@ -1,0 +1,173 @@
+"""How the plugin reads and writes a backend's paged KV cache, and the head-wise layout's own blocks.
+
+A backend stores ``[blocks, ..., block_size, ..., head_dim]`` in its own in-block order: :class:`SplitLayout` reads
+flash-attn's split of keys and values, :class:`LearnedBlockLayout` learns ``CPU_ATTN``'s (keys dimension-major for
+its vector kernels) from the backend's own writes; both read and write a KV head's entries by slot, and give the
+element offsets of every key and value inside a block (the tail of a head-wise request is read through them).
+:func:`check_round_trip` verifies a layout at start-up. A compacted head-wise request's region is whole blocks read
+as rows of keys then values (:func:`region_views`): blocks only the plugin's kernel reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def region_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    ``(blocks, R, d)`` key and value rows of every block, ``R = block_size * H_kv``: a block's memory read as keys then
+    values, the head-wise layout's own order (:mod:`kvpress_critical.ops.paged_ragged_attention`). Only blocks that
+    hold a compacted region are read this way; every other block keeps the backend's order.
+    """
+    num_blocks = kv_cache.shape[0]
+    if not kv_cache[0].is_contiguous() or kv_cache.stride(0) != kv_cache[0].numel():
+        raise ValueError("the head-wise layout needs each KV block contiguous in memory")
+    block = kv_cache[0].numel()
+    num_kv_heads, block_size, width = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3]
+    rows = num_kv_heads * block_size
+    halves = kv_cache.view(num_blocks, 2, rows, width // 2)
+    assert 2 * rows * (width // 2) == block
+    return halves[:, 0], halves[:, 1]
+
+
+def strided_offsets(view: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """``(H_kv, block_size, d)`` element offsets, from the start of a block of ``base``, of the ``[block, slot, head,
+    dim]`` view ``view`` (a split of ``base``)."""
+    _, block_size, num_kv_heads, head_size = view.shape
+    heads = torch.arange(num_kv_heads)[:, None, None] * view.stride(2)
+    slots = torch.arange(block_size)[None, :, None] * view.stride(1)
+    dims = torch.arange(head_size)[None, None, :] * view.stride(3)
+    return heads + slots + dims + (view.storage_offset() - base.storage_offset())
+
+
+class SplitLayout:
+    """A backend whose cache splits into keys and values indexed ``[block, slot in block, kv head, dim]``."""
+
+    def __init__(self, split: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]], head_size: int):
+        self.split, self.head_size = split, head_size
+
+    def read(self, kv_cache: torch.Tensor, slots: torch.Tensor, heads: slice = slice(None)):
+        """``(n, h, d)`` keys and values of KV heads ``heads`` at the flat ``slots`` (``block * bs + offset``)."""
+        key_cache, value_cache = self.split(kv_cache, self.head_size)
+        block_size = key_cache.shape[1]
+        blocks, offsets = slots // block_size, slots % block_size
+        return key_cache[blocks, offsets, heads], value_cache[blocks, offsets, heads]
+
+    def tail_offsets(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(H_kv, block_size, d)`` element offsets of each key and value inside a block, from the split's strides."""
+        key_cache, value_cache = self.split(kv_cache, self.head_size)
+        return strided_offsets(key_cache, kv_cache), strided_offsets(value_cache, kv_cache)
+
+    def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, heads: slice, keys, values) -> None:
+        """Store ``(n, h, d)`` keys and values of KV heads ``heads`` at the flat ``slots`` (other heads untouched)."""
+        key_cache, value_cache = self.split(kv_cache, self.head_size)
+        block_size = key_cache.shape[1]
+        blocks, offsets = slots // block_size, slots % block_size
+        key_cache[blocks, offsets, heads] = keys.to(key_cache.dtype)
+        value_cache[blocks, offsets, heads] = values.to(value_cache.dtype)
+
+
+def split_flash_attn(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``FLASH_ATTN``'s ``[blocks, kv_heads, block_size, 2 * head_size]`` cache (its ``do_kv_cache_update``'s view)."""
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    return key_cache, value_cache
+
+
+class LearnedBlockLayout:
+    """
+    ``CPU_ATTN``'s cache, ``[blocks, kv_heads, block_size, 2 * head_size]``, whose in-block order depends on the
+    kernel's instruction set (keys are stored dim-major for the vector kernels): the position of every (slot, dim)
+    of the keys and of the values inside one (block, head) is learned from the backend's own writes.
+    """
+
+    def __init__(self, key_offsets: torch.Tensor, value_offsets: torch.Tensor):
+        self.key_offsets, self.value_offsets = key_offsets, value_offsets  # (block_size, d) into a block-head
+
+    @classmethod
+    @torch.no_grad()
+    def probe(cls, impl, layer, kv_cache: torch.Tensor) -> "LearnedBlockLayout":
+        """Write slot and dim numbers through ``impl.do_kv_cache_update`` into a scratch block; see where they land."""
+        _, num_kv_heads, block_size, width = kv_cache.shape
+        head_size = width // 2
+        if max(block_size, head_size) > 256:
+            raise ValueError("layout probe: block_size and head_size must be <= 256 (exact in bf16)")
+        seen = []
+        for code in ("slot", "dim"):
+            scratch = torch.full((1, *kv_cache.shape[1:]), -1.0, dtype=kv_cache.dtype, device=kv_cache.device)
+            numbers = torch.arange(block_size if code == "slot" else head_size, device=kv_cache.device)
+            shape = (block_size, num_kv_heads, head_size)
+            entries = (numbers[:, None, None] if code == "slot" else numbers[None, None, :]).expand(shape)
+            entries = entries.to(kv_cache.dtype).contiguous()
+            impl.do_kv_cache_update(layer, entries, entries, scratch, torch.arange(block_size, device=kv_cache.device))
+            seen.append(scratch[0, 0].reshape(-1).long())  # what each storage offset of one block-head holds
+        slot_of, dim_of = seen
+        if bool((slot_of < 0).any()) or bool((dim_of < 0).any()):
+            raise ValueError("layout probe: the backend left part of a block-head unwritten")
+        half = block_size * head_size
+        offsets = []
+        for part in (slice(0, half), slice(half, 2 * half)):  # keys first, then values (CPU_ATTN's chunk)
+            where = torch.full((block_size, head_size), -1, dtype=torch.long, device=kv_cache.device)
+            storage = torch.arange(part.start, part.stop, device=kv_cache.device)
+            where[slot_of[part], dim_of[part]] = storage
+            offsets.append(where)
+        if any(bool((where < 0).any()) for where in offsets):
+            raise ValueError("layout probe: some (slot, dim) of the cache was not found")
+        return cls(*offsets)
+
+    def _index(self, kv_cache: torch.Tensor, slots: torch.Tensor, heads: slice):
+        num_blocks, num_kv_heads, block_size, width = kv_cache.shape
+        flat = kv_cache.view(num_blocks, num_kv_heads, block_size * width)
+        head_ids = torch.arange(num_kv_heads, device=kv_cache.device)[heads]
+        blocks, offsets = slots // block_size, slots % block_size
+        index = (blocks[:, None, None], head_ids[None, :, None])  # (n, h, d) with the offsets below
+        return flat, index, self.key_offsets[offsets][:, None, :], self.value_offsets[offsets][:, None, :]
+
+    def tail_offsets(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(H_kv, block_size, d)`` element offsets of each key and value inside a block (the learned ones)."""
+        _, num_kv_heads, block_size, width = kv_cache.shape
+        heads = torch.arange(num_kv_heads, device=kv_cache.device)[:, None, None] * block_size * width
+        return heads + self.key_offsets[None], heads + self.value_offsets[None]
+
+    def read(self, kv_cache: torch.Tensor, slots: torch.Tensor, heads: slice = slice(None)):
+        """``(n, h, d)`` keys and values of KV heads ``heads`` at the flat ``slots`` (``block * bs + offset``)."""
+        flat, index, key_offsets, value_offsets = self._index(kv_cache, slots, heads)
+        return flat[(*index, key_offsets)], flat[(*index, value_offsets)]
+
+    def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, heads: slice, keys, values) -> None:
+        """Store ``(n, h, d)`` keys and values of KV heads ``heads`` at the flat ``slots`` (other heads untouched)."""
+        flat, index, key_offsets, value_offsets = self._index(kv_cache, slots, heads)
+        flat[(*index, key_offsets)] = keys.to(flat.dtype)
+        flat[(*index, value_offsets)] = values.to(flat.dtype)
+
+
+@torch.no_grad()
+def check_round_trip(impl, layer, kv_cache: torch.Tensor, layout) -> None:
+    """Random entries written by the backend into two scratch blocks shaped like ``kv_cache`` read back by slot, and
+    written again by the plugin one head at a time at other slots, read back the same."""
+    from kvpress_critical_vllm.engine_config import EngineConfigError
+
+    scratch = torch.zeros((2, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)
+    block_size = kv_cache.shape[2]
+    num_kv_heads = impl.num_kv_heads
+    slots = torch.arange(2 * block_size, device=kv_cache.device).flip(0)
+    generator = torch.Generator(device=kv_cache.device).manual_seed(0)
+    shape = (slots.shape[0], num_kv_heads, impl.head_size)
+    keys = torch.randn(shape, generator=generator, device=kv_cache.device).to(kv_cache.dtype)
+    values = torch.randn(shape, generator=generator, device=kv_cache.device).to(kv_cache.dtype)
+    impl.do_kv_cache_update(layer, keys, values, scratch, slots)
+    got_keys, got_values = layout.read(scratch, slots)
+    readable = torch.equal(got_keys, keys) and torch.equal(got_values, values)
+    # the plugin's own writes (one head at a time) land where the backend's writes land
+    moved = slots.roll(1)
+    for head in range(num_kv_heads):
+        layout.write(scratch, moved, slice(head, head + 1), keys[:, head : head + 1], values[:, head : head + 1])
+    got_keys, got_values = layout.read(scratch, moved)
+    writable = torch.equal(got_keys, keys) and torch.equal(got_values, values)
+    if not (readable and writable):
+        raise EngineConfigError(
+            f"kvpress_critical cannot read this engine's paged KV cache back ({type(impl).__name__}, "
+            f"{kv_cache.dtype}, shape {tuple(kv_cache.shape)}): entries the backend writes are not where the plugin "
+            "reads them, so the plugin refuses to compress rather than select from wrong entries."
+        )

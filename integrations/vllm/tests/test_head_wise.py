@@ -1,0 +1,142 @@
+"""Head-wise budgets inside vLLM: CriticalAdaKV and AdaKV over SnapKV, with the blocks a uniform press frees.
+
+One batch of the session's engine, every request with a head-wise press (per request): prompts of different lengths
+(their last ``N mod 32`` tokens share a block with the new tokens), 32 greedy tokens each. Checked:
+
+- exactness: the engine's tokens equal transformers' with each layer's KV heads attending only to the entries the
+  engine reports they kept (kvpress's masking of head-wise presses, written out in ``reference.py``);
+- selection: the kept entries equal this project's transformers presses (``CriticalAdaKVPress(SnapKVPress(...))``,
+  kvpress's ``AdaKVPress(SnapKVPress(...))``) for the same budget, run in kvpress's environment;
+- budgets are uneven across heads (a test that fails if every head kept the same count);
+- blocks: a head-wise request frees exactly the blocks the uniform press frees at the same ratio, and a fixed pool
+  runs as many head-wise requests at once as uniform ones (within one).
+"""
+
+import pytest
+from conftest import NEW_TOKENS, internal_id, make_llm, model_path, scheduler_of
+from reference import greedy_after_eviction, greedy_with_head_masks, load_reference_model
+from test_selection import press_selections
+
+pytestmark = pytest.mark.slow
+
+HEAD_WISE = ("critical_adakv_snapkv", "adakv_snapkv", "critical_adakv_snapkv", "adakv_snapkv")
+LENGTHS = (404, 777, 650, 1100)
+
+
+@pytest.fixture(scope="module")
+def head_wise_batch(engine, prompt_ids):
+    from vllm import SamplingParams
+
+    prompts = [prompt_ids[53 * i : 53 * i + length] for i, length in enumerate(LENGTHS)]
+    params = [
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0, extra_args={"kvpress_critical": {"press": press}})
+        for press in HEAD_WISE
+    ]
+    outputs = engine.generate([{"prompt_token_ids": p} for p in prompts], params)
+    selections = engine.collective_rpc("kvpress_critical_selections")[0]
+    kept = [selections[internal_id(selections, output.request_id)] for output in outputs]
+    return prompts, outputs, kept
+
+
+@pytest.fixture(scope="module")
+def reference_model():
+    return load_reference_model(model_path())
+
+
+def test_the_masked_reference_is_the_evicting_one_for_uniform_budgets(batch, reference_model):
+    """``greedy_with_head_masks`` (used below) agrees with ``greedy_after_eviction`` where both apply."""
+    prompts, outputs, selections = batch
+    kept = selections[internal_id(selections, outputs[0].request_id)]
+    masked = greedy_with_head_masks(reference_model, prompts[0], kept, NEW_TOKENS)
+    assert masked == greedy_after_eviction(reference_model, prompts[0], kept, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("index", range(len(HEAD_WISE)), ids=[f"{p}-{n}" for p, n in zip(HEAD_WISE, LENGTHS)])
+def test_greedy_output_equals_transformers_with_each_heads_entries(head_wise_batch, reference_model, index):
+    prompts, outputs, kept = head_wise_batch
+    layers = kept[index]
+    assert len(layers) == 30
+    n_prompt = len(prompts[index])
+    budget = n_prompt - (n_prompt - int(n_prompt * 0.5)) // 32 * 32  # the uniform press's block-aligned count
+    for heads in layers.values():
+        assert sum(len(positions) for positions in heads) == budget * len(heads)  # the layer's total, shared
+        last = set(range(n_prompt // 32 * 32, n_prompt))
+        assert all(last <= set(positions) for positions in heads)  # the last partial block: kept by every head
+    got = list(outputs[index].outputs[0].token_ids)
+    assert got == greedy_with_head_masks(reference_model, prompts[index], layers, NEW_TOKENS)
+
+
+def test_budgets_are_uneven_across_heads(head_wise_batch):
+    _, _, kept = head_wise_batch
+    spreads = [max(map(len, heads)) - min(map(len, heads)) for layers in kept for heads in layers.values()]
+    assert sum(spread > 0 for spread in spreads) > 0.5 * len(spreads), spreads
+
+
+def test_head_wise_selection_equals_the_transformers_presses(head_wise_batch):
+    from kvpress_critical_vllm.options import CompressionOptions
+
+    prompts, _, kept = head_wise_batch
+    defaults = CompressionOptions().as_dict()
+    requests = []
+    for press, prompt, layers in zip(HEAD_WISE, prompts, kept):
+        n_kept = sum(len(p) for p in next(iter(layers.values()))) // len(next(iter(layers.values())))
+        requests.append({**defaults, "press": press, "prompt_ids": prompt, "n_kept": n_kept})
+    reference = press_selections(requests)
+    report, agreement = [], []
+    for press, layers, expected in zip(HEAD_WISE, kept, reference):
+        common = total = 0
+        for name, heads in layers.items():
+            layer = name.split(".")[2]
+            for head, positions in enumerate(heads):
+                common += len(set(positions) & set(expected[layer][head]))
+                total += len(positions)
+        agreement.append(common / total)
+        report.append(f"{press}: {common}/{total} entries")
+    print("plugin vs transformers head-wise presses:", "; ".join(report))
+    assert all(value >= 0.999 for value in agreement), report
+
+
+def test_a_head_wise_request_frees_the_uniform_press_blocks(engine, prompt_ids):
+    from vllm import SamplingParams
+
+    scheduler = scheduler_of(engine)
+    prompt = prompt_ids[:777]
+    freed = {}
+    for press in ("critical_snapkv", "critical_adakv_snapkv"):
+        params = SamplingParams(max_tokens=4, ignore_eos=True, extra_args={"kvpress_critical": {"press": press}})
+        engine.llm_engine.add_request(press, {"prompt_token_ids": prompt}, params)
+        while engine.llm_engine.has_unfinished_requests():
+            engine.llm_engine.step()
+        (record,) = [r for rid, r in scheduler.kvpress_records.items() if rid.startswith(f"{press}-")]
+        freed[press] = (record.blocks_freed, record.kept_per_head)
+        if press == "critical_adakv_snapkv":
+            assert record.kept_min < record.kept_per_head < record.kept_max
+    assert freed["critical_snapkv"] == freed["critical_adakv_snapkv"] == (12, 393)
+
+
+def test_a_pool_holds_as_many_head_wise_requests_as_uniform_ones():
+    """96 blocks, 16 requests of 512 prompt tokens and 32 new ones at ratio 0.75: peak concurrency per press."""
+    from conftest import BLOCK_SIZE, REPO
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    token_bytes = 30 * 2 * 3 * 64 * 4
+    llm = make_llm(
+        {"press": "critical_snapkv", "compression_ratio": 0.75},
+        kv_cache_memory_bytes=97 * BLOCK_SIZE * token_bytes,
+        max_model_len=1024,
+    )
+    scheduler = scheduler_of(llm)
+    ids = AutoTokenizer.from_pretrained(model_path())((REPO / "LICENSE").read_text())["input_ids"]
+    peaks = {}
+    for press in ("critical_snapkv", "critical_adakv_snapkv"):
+        params = SamplingParams(max_tokens=32, ignore_eos=True, extra_args={"kvpress_critical": {"press": press}})
+        for i in range(16):
+            llm.llm_engine.add_request(f"{press}-{i}", {"prompt_token_ids": ids[11 * i : 11 * i + 512]}, params)
+        peak = 0
+        while llm.llm_engine.has_unfinished_requests():
+            llm.llm_engine.step()
+            peak = max(peak, len(scheduler.running))
+        peaks[press] = peak
+    print("peak requests at once:", peaks)
+    assert abs(peaks["critical_adakv_snapkv"] - peaks["critical_snapkv"]) <= 1, peaks
