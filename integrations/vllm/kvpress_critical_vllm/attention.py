@@ -92,7 +92,7 @@ class CompressingImplMixin:
         captured = getattr(attn_metadata, PLAN_ATTRIBUTE, None)
         if captured is not None:
             state, plan = captured
-            if plan.head_wise is not None:  # the head-wise rows: their own attention replaces the backend's
+            if plan.head_wise:  # the head-wise rows: their own attention replaces the backend's
                 state.attend_head_wise(layer, query, kv_cache, output, plan)
             state.capture(layer.layer_name, query, plan)  # (tokens, H, d)
         return result

@@ -162,7 +162,7 @@ def check_engine_config(vllm_config) -> CompressionOptions | None:
             f"worker class {worker} is not one the plugin extends ({', '.join(WORKERS)})",
             "Leave worker_cls unset (auto) on a CPU or CUDA platform",
         )
-    check_layout(options, cache.block_size, f"additional_config[{CONFIG_KEY!r}]")
+    check_layout(options, cache.block_size, f"additional_config[{CONFIG_KEY!r}]", parallel.tensor_parallel_size)
     parallel.worker_cls = WORKERS[worker]
     scheduler.scheduler_cls = SCHEDULERS[bool(scheduler.async_scheduling)]
     logger.info("kvpress_critical: %s (worker %s, scheduler %s)", options, parallel.worker_cls, scheduler.scheduler_cls)

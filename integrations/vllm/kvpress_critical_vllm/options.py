@@ -248,12 +248,22 @@ def check_options(options: CompressionOptions, where: str, engine: CompressionOp
         raise fail("record_selections", "true or false")
 
 
-def check_layout(options: CompressionOptions, block_size: int | None, where: str) -> None:
+def check_layout(
+    options: CompressionOptions, block_size: int | None, where: str, tensor_parallel_size: int = 1
+) -> None:
     """
-    What the engine's block size asks of a head-wise press: its layout keeps a prompt's last ``N mod block_size``
-    tokens in every KV head (they share a block with the first new tokens), which SnapKV does for the tokens of its
-    window, so ``window_size >= block_size - 1``.
+    What the engine asks of a head-wise press. Its layout keeps a prompt's last ``N mod block_size`` tokens in every KV
+    head (they share a block with the first new tokens), which SnapKV does for the tokens of its window, so
+    ``window_size >= block_size - 1``; and it packs a layer's heads into the blocks of one worker, while tensor
+    parallelism splits the heads (and each block) over ranks whose shares of a shared budget differ.
     """
+    if options.head_wise and tensor_parallel_size > 1:
+        raise OptionsError(
+            f"{where}: press={options.press!r} shares a layer's budget among its KV heads, which tensor parallelism "
+            f"splits over {tensor_parallel_size} ranks that each hold a fixed share of every block: use a uniform "
+            "press with tensor_parallel_size > 1, or tensor_parallel_size=1",
+            option="press",
+        )
     if options.head_wise and block_size is not None and options.window_size < block_size - 1:
         raise OptionsError(
             f"{where}: press={options.press!r} keeps a prompt's last (N mod block_size) tokens in every KV head, which "
@@ -324,15 +334,17 @@ def request_overrides(extra_args: Any) -> dict[str, Any]:
     return values
 
 
-def resolve_options(engine: CompressionOptions, extra_args: Any, block_size: int | None = None) -> CompressionOptions:
+def resolve_options(
+    engine: CompressionOptions, extra_args: Any, block_size: int | None = None, tensor_parallel_size: int = 1
+) -> CompressionOptions:
     """One request's options: the engine's, overridden by its ``extra_args``, checked against the engine's bounds (and
-    its ``block_size``, :func:`check_layout`)."""
+    its block size and tensor parallelism, :func:`check_layout`)."""
     overrides = request_overrides(extra_args)
     if not overrides:
         return engine
     options = replace(engine, **overrides)
     check_options(options, REQUEST_WHERE, engine)
-    check_layout(options, block_size, REQUEST_WHERE)
+    check_layout(options, block_size, REQUEST_WHERE, tensor_parallel_size)
     return options
 
 

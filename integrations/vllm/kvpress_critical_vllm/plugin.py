@@ -79,7 +79,11 @@ def _checked_for_the_engine(validate_params):
             engine = engine_options(self.vllm_config.additional_config)
             if engine is not None:
                 try:
-                    resolve_options(engine, params.extra_args, self.vllm_config.cache_config.block_size)
+                    config = self.vllm_config
+                    resolve_options(
+                        engine, params.extra_args, config.cache_config.block_size,
+                        config.parallel_config.tensor_parallel_size,
+                    )  # fmt: skip
                 except OptionsError as error:
                     raise VLLMValidationError(str(error), parameter=f"{CONFIG_KEY}.{error.option}") from error
         return result

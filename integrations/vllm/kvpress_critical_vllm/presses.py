@@ -77,7 +77,7 @@ def heads_per_chunk(
     return max(1, min(num_kv_heads, CHUNK_BYTES // max(per_head, 1)))
 
 
-def keep_mask(
+def layer_scores(
     options: CompressionOptions,
     read: Reader,
     num_kv_heads: int,
@@ -85,10 +85,10 @@ def keep_mask(
     queries: torch.Tensor | None = None,
     o_proj_weight: torch.Tensor | None = None,
     chunk: int | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """
-    ``(H_kv, N)`` bool: the entries each KV head keeps. Uniform presses keep ``n_keep`` in every head; head-wise ones
-    (AdaKV's budgets) ``n_keep * H_kv`` over the layer's heads, each head its own count.
+    A layer's base scores ``(1, H_kv, T)`` (SnapKV's before its window is padded: ``T = N - W``) and, for CriticalKV,
+    its projected-value norms ``(1, H_kv, N)``, scored ``chunk`` KV heads at a time.
 
     Parameters
     ----------
@@ -143,11 +143,20 @@ def keep_mask(
                 )
             )  # fmt: skip
         del keys, values, keys_b
-    base = torch.cat(base_parts, dim=1)
+    return torch.cat(base_parts, dim=1), torch.cat(norm_parts, dim=1) if options.critical else None
+
+
+def select(
+    options: CompressionOptions, base: torch.Tensor, norms: torch.Tensor | None, n_keep: int, n_prompt: int
+) -> torch.Tensor:
+    """
+    ``(H_kv, N)`` bool from :func:`layer_scores` (of every head of the layer, for head-wise presses): uniform presses
+    keep ``n_keep`` in every head, head-wise ones (AdaKV's budgets) ``n_keep * H_kv`` over the heads, each head its
+    own count.
+    """
     if options.base == "snapkv" and base.shape[-1] + options.window_size == n_prompt:
         base = snapkv_pad_window(base, options.window_size)  # the window: the maximum over every head + 1
     base = base.float()
-    norms = torch.cat(norm_parts, dim=1) if options.critical else None
     if options.head_wise and options.critical:
         keep, _, _ = critical_adakv_keep_mask(
             base, norms, n_keep, options.alpha_safeguard, options.first_stage_ratio, options.epsilon
@@ -158,4 +167,26 @@ def keep_mask(
         if options.critical:
             base = critical_scores(base, norms, first_stage_budget(n_keep, options.first_stage_ratio), options.epsilon)
         keep = top_budget_mask(base, torch.full(base.shape[:2], n_keep, device=base.device))
-    return keep[0]  # (H_kv, N)
+    return keep[0]
+
+
+def keep_mask(
+    options: CompressionOptions,
+    read: Reader,
+    num_kv_heads: int,
+    n_keep: int,
+    queries: torch.Tensor | None = None,
+    o_proj_weight: torch.Tensor | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """``(H_kv, N)`` bool: the entries each KV head keeps (:func:`layer_scores` then :func:`select`, one rank); ``N``
+    is read from the keys (``read``)."""
+    sizes = []
+
+    def sized(first: int, end: int):
+        keys, values = read(first, end)
+        sizes.append(keys.shape[0])
+        return keys, values
+
+    base, norms = layer_scores(options, sized, num_kv_heads, n_keep, queries, o_proj_weight, chunk)
+    return select(options, base, norms, n_keep, sizes[0])

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kvpress_critical_vllm.layouts import region_views
-from kvpress_critical_vllm.presses import heads_per_chunk, keep_mask
+from kvpress_critical_vllm.presses import heads_per_chunk, layer_scores, select
 from kvpress_critical_vllm.protocol import DIRECTIVES_ATTRIBUTE, Compact, Compacted, StepDirectives, StepReport
 
 # under vLLM's logger, so that the lines appear in vLLM's log at its level (VLLM_LOGGING_LEVEL)
@@ -81,9 +81,10 @@ class HeadWise:
 
 @dataclass
 class HeadWiseRows:
-    """The head-wise rows of a step, as :func:`paged_ragged_attention` takes them (their queries: ``tokens``)."""
+    """Head-wise rows of a step that run the same number of tokens ``q`` (one when decoding; a recomputed output
+    after a preemption runs several), as :func:`paged_ragged_attention` takes them."""
 
-    tokens: torch.Tensor  # (rows,) int64 the token of each row in the step's query / output
+    tokens: torch.Tensor  # (rows, q) int64 the tokens of each row in the step's query / output
     region_table: torch.Tensor  # (rows, M) int64
     seg_start: torch.Tensor  # (L, rows * H_kv) int64
     seg_len: torch.Tensor  # (L, rows * H_kv) int64
@@ -96,11 +97,11 @@ class StepPlan:
     shift: torch.Tensor | None = None  # (num_reqs,) positions out of each row's view (the backend's kernel)
     jobs: list[Job] = field(default_factory=list)
     saves: list[QuerySave] = field(default_factory=list)
-    head_wise: HeadWiseRows | None = None
+    head_wise: list[HeadWiseRows] = field(default_factory=list)  # one group per number of tokens run
 
     @property
     def captures(self) -> bool:
-        return bool(self.jobs or self.saves or self.head_wise is not None)
+        return bool(self.jobs or self.saves or self.head_wise)
 
 
 @torch.no_grad()
@@ -230,14 +231,9 @@ class WorkerState:
             if request_id in self.shifts:
                 shift[row] = self.shifts[request_id]
             elif request_id in self.head_wise:
-                if scheduled != 1:
-                    raise PluginStateError(
-                        f"kvpress_critical: head-wise request {request_id} runs {scheduled} tokens in one step after "
-                        "its compaction; the plugin attends over head-wise entries one decoding token at a time"
-                    )
-                # the backend's kernel attends over the row's last block only (its result is replaced)
-                shift[row] = (before + scheduled - 1) // block_size * block_size
-                head_wise_rows.append((row, request_id, before + scheduled))
+                # the backend's kernel attends over the row's last blocks only (its result is replaced)
+                shift[row] = before // block_size * block_size
+                head_wise_rows.append((row, request_id, before + scheduled, scheduled))
             job = directives.compact.get(request_id)
             if job is not None:
                 evict = job.eviction
@@ -257,8 +253,9 @@ class WorkerState:
             raise PluginStateError(f"kvpress_critical: directives for requests not in this step's batch: {missing}")
         if any(shift):
             plan.shift = torch.tensor(shift, dtype=torch.int64)
-        if head_wise_rows:
-            plan.head_wise = self._head_wise_rows(head_wise_rows, starts, cm.block_table_tensor, block_size)
+        for q_len in sorted({rows[3] for rows in head_wise_rows}):
+            group = [rows for rows in head_wise_rows if rows[3] == q_len]
+            plan.head_wise.append(self._head_wise_rows(group, starts, cm.block_table_tensor, block_size))
         self._plan = plan
         return plan
 
@@ -266,7 +263,7 @@ class WorkerState:
         """The paged attention's inputs for the step's head-wise rows: region and tail tables, per-layer segments."""
         device = block_table.device
         regions, tails, counts, tail_lens = [], [], [], []
-        for row, request_id, seq_len in rows:
+        for row, request_id, seq_len, _ in rows:
             state = self.head_wise[request_id]
             first, boundary = state.evicted // block_size, state.region_end // block_size
             regions.append(block_table[row, first:boundary])
@@ -284,8 +281,9 @@ class WorkerState:
                 out[i, : part.numel()] = part
             return out
 
+        tokens = [list(range(starts[row], starts[row] + q_len)) for row, _, _, q_len in rows]
         return HeadWiseRows(
-            tokens=torch.tensor([starts[row] for row, _, _ in rows], dtype=torch.int64, device=device),
+            tokens=torch.tensor(tokens, dtype=torch.int64, device=device),
             region_table=table(regions),
             seg_start=seg_start.to(device),
             seg_len=seg_len.to(device),
@@ -297,22 +295,20 @@ class WorkerState:
         """The head-wise rows' attention over their regions and tails, written over the backend's output rows."""
         from kvpress_critical.ops.paged_ragged_attention import paged_ragged_attention
 
-        rows = plan.head_wise
         index = self.layer_index[layer.layer_name]
-        impl = layer.impl
         region_keys, region_values = region_views(kv_cache)
         flat = kv_cache.view(kv_cache.shape[0], -1)
         if self.tail_offsets is None:
             self.tail_offsets = self.layout.tail_offsets(kv_cache)
         key_offsets, value_offsets = self.tail_offsets
-        heads = query.shape[1]
-        queries = query[rows.tokens].reshape(-1, heads, 1, query.shape[-1])  # (rows, H, 1, d)
-        out = paged_ragged_attention(
-            queries, region_keys, region_values, rows.region_table, rows.seg_start[index], rows.seg_len[index],
-            flat, flat, rows.tail_table, rows.tail_len, key_offsets, value_offsets, impl.scale,
-            backend=self.engine_options.attention_backend,
-        )  # fmt: skip
-        output[rows.tokens] = out[:, 0].to(output.dtype)
+        for rows in plan.head_wise:
+            queries = query[rows.tokens].transpose(1, 2)  # (rows, H, q, d)
+            out = paged_ragged_attention(
+                queries, region_keys, region_values, rows.region_table, rows.seg_start[index], rows.seg_len[index],
+                flat, flat, rows.tail_table, rows.tail_len, key_offsets, value_offsets, layer.impl.scale,
+                backend=self.engine_options.attention_backend,
+            )  # fmt: skip
+            output[rows.tokens] = out.to(output.dtype)  # (rows, q, H, d)
 
     def capture(self, layer_name: str, query: torch.Tensor, plan: StepPlan) -> None:
         """After a layer's attention: keep the window queries the plan needs (clones: the buffer is reused)."""
@@ -338,66 +334,82 @@ class WorkerState:
         plan = self._plan
         if plan is None or not plan.jobs:
             return
-        selected: list[dict[str, torch.Tensor] | None] = []
-        reasons: dict[str, str] = {}
+        scored: list[dict | None] = []
         for job in plan.jobs:
             try:
-                selected.append(self._select(job, attention_layers))
-            except LayoutError as error:
-                logger.info("kvpress_critical: request %s: %s", job.directive.request_id, error)
-                selected.append(None)
-                reasons[job.directive.request_id] = f"its selection does not fit the head-wise layout ({error})"
+                scored.append(self._score(job, attention_layers))
             except Exception as error:  # noqa: BLE001 - any failure leaves this request whole, never the engine down
                 logger.warning(
                     "kvpress_critical: selection failed for request %s; it stays uncompressed: %r",
                     job.directive.request_id,
                     error,
                 )
-                selected.append(None)
+                scored.append(None)
             finally:
                 self.queries.pop(job.directive.request_id, None)
-        failed = self._agree_across_ranks([kept is None for kept in selected])
-        for job, kept, fail in zip(plan.jobs, selected, failed):
+        failed = self._agree_across_ranks([scores is None for scores in scored])
+        broken = []
+        for job, scores, fail in zip(plan.jobs, scored, failed):
             request_id = job.directive.request_id
             if fail:
-                self._report.uncompressed[request_id] = reasons.get(request_id) or (
-                    "its selection failed on this worker" if kept is None else "its selection failed on another rank"
+                self._report.uncompressed[request_id] = (
+                    "its selection failed on this worker" if scores is None else "its selection failed on another rank"
                 )
+                continue
+            try:
+                kept = self._select(job, scores)
+            except LayoutError as error:
+                logger.info("kvpress_critical: request %s: %s", request_id, error)
+                self._report.uncompressed[request_id] = f"its selection does not fit the head-wise layout ({error})"
                 continue
             try:
                 self._write(job, kept, attention_layers)
             except Exception as error:  # noqa: BLE001 - written in part: only this request is lost
                 logger.error("kvpress_critical: compaction of request %s failed midway: %r", request_id, error)
-                self._report.broken[request_id] = f"its compaction failed midway ({error!r})"
+                broken.append((job, f"its compaction failed midway ({error!r})"))
                 continue
-            evict = job.directive.eviction
-            if job.directive.options.head_wise:
-                counts = torch.stack([mask.sum(dim=1) for mask in kept.values()])  # (L, H_kv), the pinned tail in
-                pinned = evict.n_prompt % evict.block_size
-                self.head_wise[request_id] = HeadWise(evict.evicted, evict.n_prompt - pinned, counts - pinned)
-            else:
-                self.shifts[request_id] = evict.evicted
-                counts = torch.full((1, 1), evict.kept)
-            self.compacted_requests += 1
-            self._report.compacted[request_id] = Compacted(
-                evicted=evict.evicted, kept_per_head=evict.kept, kept_min=int(counts.min()), kept_max=int(counts.max())
-            )
-            if job.directive.options.record_selections:
-                self.selections[request_id] = {
-                    name: [mask[h].nonzero().flatten().cpu() for h in range(mask.shape[0])]
-                    for name, mask in kept.items()
-                }
+            self._record(job, kept)
+        # a request whose write broke on one rank is broken on all (the scheduler reads one rank's report)
+        flags = self._agree_across_ranks([any(job is b for b, _ in broken) for job in plan.jobs])
+        for job, flag in zip(plan.jobs, flags):
+            request_id = job.directive.request_id
+            if flag:
+                reason = next((why for b, why in broken if b is job), "its compaction failed midway on another rank")
+                self._report.broken[request_id] = reason
+                self._report.compacted.pop(request_id, None)
+                self.shifts.pop(request_id, None)
+                self.head_wise.pop(request_id, None)
+
+    def _record(self, job: Job, kept: dict[str, torch.Tensor]) -> None:
+        """A finished compaction: the row's view from the next step on, the report, the recorded selection."""
+        request_id, evict = job.directive.request_id, job.directive.eviction
+        if job.directive.options.head_wise:
+            counts = torch.stack([mask.sum(dim=1) for mask in kept.values()])  # (L, H_kv), the pinned tail in
+            pinned = evict.n_prompt % evict.block_size
+            self.head_wise[request_id] = HeadWise(evict.evicted, evict.n_prompt - pinned, counts - pinned)
+        else:
+            self.shifts[request_id] = evict.evicted
+            counts = torch.full((1, 1), evict.kept)
+        self.compacted_requests += 1
+        self._report.compacted[request_id] = Compacted(
+            evicted=evict.evicted, kept_per_head=evict.kept, kept_min=int(counts.min()), kept_max=int(counts.max())
+        )
+        if job.directive.options.record_selections:
+            self.selections[request_id] = {
+                name: [mask[h].nonzero().flatten().cpu() for h in range(mask.shape[0])] for name, mask in kept.items()
+            }
 
     def _slots(self, job: Job) -> torch.Tensor:
         evict = job.directive.eviction
         positions = torch.arange(evict.n_prompt, device=job.block_ids.device)
         return job.block_ids[positions // evict.block_size].long() * evict.block_size + positions % evict.block_size
 
-    def _select(self, job: Job, attention_layers: dict) -> dict[str, torch.Tensor]:
-        """The kept positions of every layer, ``{layer: (H_kv, kept)}``; nothing is written."""
+    def _score(self, job: Job, attention_layers: dict) -> dict[str, tuple]:
+        """Every layer's scores, ``{layer: (base, norms)}`` (:func:`~kvpress_critical_vllm.presses.layer_scores`): the
+        part of a selection that may fail on one rank alone; nothing is written."""
         options, evict = job.directive.options, job.directive.eviction
         slots = self._slots(job)
-        kept = {}
+        scores = {}
         for name in self.o_proj:
             layer = attention_layers[name]
             kv_cache, impl = layer.kv_cache, layer.impl
@@ -410,7 +422,7 @@ class WorkerState:
             def read(first: int, end: int, kv_cache=kv_cache):
                 return self.layout.read(kv_cache, slots, slice(first, end))
 
-            mask = keep_mask(
+            scores[name] = layer_scores(
                 options,
                 read,
                 num_kv_heads,
@@ -419,6 +431,15 @@ class WorkerState:
                 o_proj_weight=self.o_proj[name] if options.critical else None,
                 chunk=chunk,
             )
+        return scores
+
+    def _select(self, job: Job, scores: dict[str, tuple]) -> dict[str, torch.Tensor]:
+        """The kept entries of every layer, ``{layer: (H_kv, N) bool}``, from its scores (head-wise presses run with
+        one rank only: :func:`~kvpress_critical_vllm.options.check_layout`)."""
+        options, evict = job.directive.options, job.directive.eviction
+        kept = {}
+        for name, (base, norms) in scores.items():
+            mask = select(options, base, norms, evict.kept, evict.n_prompt)
             if options.head_wise:
                 boundary = evict.n_prompt // evict.block_size * evict.block_size
                 if not bool(mask[:, boundary:].all()):

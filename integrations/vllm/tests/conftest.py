@@ -189,3 +189,26 @@ def server(tmp_path_factory):
     running = start_server(tmp_path_factory.mktemp("server"), {"press": "critical_snapkv", "compression_ratio": 0.5})
     yield running
     stop_server(running)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A two-layer Llama with 4 query and 2 KV heads (random weights, SmolLM2's tokenizer), for tensor parallelism."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                param.mul_(4.0)  # peaky attention, as in trained models
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((Path(model_path()) / name).read_bytes())
+    return str(folder)

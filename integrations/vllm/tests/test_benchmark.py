@@ -16,5 +16,5 @@ def test_bench_vllm_quick_writes_its_table(tmp_path):
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     table = (tmp_path / "vllm_cpu.md").read_text()
-    assert "| vLLM |" in table and "| critical_snapkv 0.75 |" in table
-    assert (tmp_path / "vllm_cpu.csv").read_text().count("\n") == 4  # a header and three configurations
+    assert "| vLLM |" in table and "| critical_snapkv 0.75 |" in table and "| critical_adakv_snapkv 0.75 |" in table
+    assert (tmp_path / "vllm_cpu.csv").read_text().count("\n") == 6  # a header and five configurations

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import NEW_TOKENS, PRESSES, engine_kwargs, internal_id, make_llm, model_path, scheduler_of
+from conftest import NEW_TOKENS, PRESSES, engine_kwargs, internal_id, make_llm, scheduler_of
 
 pytestmark = pytest.mark.slow
 
@@ -108,29 +108,6 @@ def test_preempted_request_is_compressed_again_and_gives_the_same_tokens(engine,
     assert llm.collective_rpc("kvpress_critical_compacted") == [3 + len(preempted)]
     assert all(r.blocks_freed == 5 for r in records.values())
     assert [tokens[f"p{i}"] for i in range(3)] == expected
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """A two-layer Llama with 4 query and 2 KV heads (random weights, SmolLM2's tokenizer), for tensor parallelism."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "q_proj" in name or "k_proj" in name:
-                param.mul_(4.0)  # peaky attention, as in trained models
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((Path(model_path()) / name).read_bytes())
-    return str(folder)
 
 
 def test_tensor_parallel_ranks_select_their_own_heads(tiny_llama, prompt_ids, tmp_path):

@@ -47,7 +47,7 @@ def test_a_failed_selection_leaves_the_request_whole_and_its_blocks_held(engine,
     def failing(*args, **kwargs):
         raise RuntimeError("injected selection failure")
 
-    monkeypatch.setattr(worker_state, "keep_mask", failing)
+    monkeypatch.setattr(worker_state, "layer_scores", failing)
     free = pool.get_num_free_blocks()
     engine.llm_engine.add_request("fails", {"prompt_token_ids": prompt}, greedy(16))
     engine.llm_engine.step()  # the prompt: 25 blocks; the selection fails, nothing is written or freed

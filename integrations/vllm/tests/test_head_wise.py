@@ -140,3 +140,99 @@ def test_a_pool_holds_as_many_head_wise_requests_as_uniform_ones():
         peaks[press] = peak
     print("peak requests at once:", peaks)
     assert abs(peaks["critical_adakv_snapkv"] - peaks["critical_snapkv"]) <= 1, peaks
+
+
+def test_a_mixed_batch_attends_each_row_as_alone(engine, head_wise_batch, reference_model):
+    """Head-wise, uniform and uncompressed rows decode in the same steps: each gives its own reference's tokens."""
+    from vllm import SamplingParams
+
+    prompts, outputs, _ = head_wise_batch
+    presses = [{"press": HEAD_WISE[0]}, {"press": "critical_snapkv"}, {"compression_ratio": 0.0}]
+    params = [
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0, extra_args={"kvpress_critical": extra})
+        for extra in presses
+    ]
+    mixed = engine.generate([{"prompt_token_ids": p} for p in prompts[:3]], params)
+    selections = engine.collective_rpc("kvpress_critical_selections")[0]
+    tokens = [list(o.outputs[0].token_ids) for o in mixed]
+    assert tokens[0] == list(outputs[0].outputs[0].token_ids)
+    uniform = selections[internal_id(selections, mixed[1].request_id)]
+    assert tokens[1] == greedy_after_eviction(reference_model, prompts[1], uniform, NEW_TOKENS)
+    assert tokens[2] == greedy_after_eviction(reference_model, prompts[2], None, NEW_TOKENS)
+
+
+def test_chunked_prefill_keeps_the_same_head_wise_entries(head_wise_batch):
+    """128-token chunks: the window queries of a last chunk shorter than the window come from earlier chunks."""
+    from test_engine_features import same_entries
+    from vllm import SamplingParams
+
+    prompts, outputs, kept = head_wise_batch
+    llm = make_llm(
+        {"press": "critical_snapkv", "compression_ratio": 0.5, "record_selections": True},
+        max_num_batched_tokens=128,
+        max_num_seqs=8,
+    )
+    params = [
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0, extra_args={"kvpress_critical": {"press": press}})
+        for press in HEAD_WISE
+    ]
+    chunked = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    selections = llm.collective_rpc("kvpress_critical_selections")[0]
+    for one, several, layers in zip(outputs, chunked, kept):
+        assert same_entries(layers, selections[internal_id(selections, several.request_id)]) >= 0.999
+        assert list(one.outputs[0].token_ids) == list(several.outputs[0].token_ids)
+
+
+def test_async_scheduling_in_an_engine_process(head_wise_batch, tmp_path):
+    from conftest import engine_kwargs
+    from test_engine_features import engine_process
+
+    prompts, outputs, _ = head_wise_batch
+    plugin = {"press": "critical_snapkv", "compression_ratio": 0.5}
+    result = engine_process(tmp_path, engine=engine_kwargs(), plugin=plugin, prompts=prompts, presses=list(HEAD_WISE),
+                            async_scheduling=True)  # fmt: skip
+    assert "CriticalKVAsyncScheduler" in result["scheduler"]
+    assert result["tokens"] == [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_a_preempted_head_wise_request_is_compressed_again(engine, prompt_ids):
+    """A pool of 36 blocks for three requests that grow to 15 blocks each: one is preempted and recomputed."""
+    from vllm import SamplingParams
+
+    prompts = [prompt_ids[100 * i : 100 * i + 320] for i in range(3)]
+    params = SamplingParams(
+        max_tokens=320, temperature=0, ignore_eos=True, extra_args={"kvpress_critical": {"press": HEAD_WISE[0]}}
+    )
+    expected = [
+        list(o.outputs[0].token_ids) for o in engine.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ]
+    llm = make_llm(
+        {"press": "critical_snapkv", "compression_ratio": 0.5},
+        kv_cache_memory_bytes=37 * 32 * 46080,
+        max_model_len=1024,
+    )
+    for i, prompt in enumerate(prompts):
+        llm.llm_engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params)
+    tokens = {}
+    while llm.llm_engine.has_unfinished_requests():
+        for output in llm.llm_engine.step():
+            if output.finished:
+                tokens[output.request_id] = list(output.outputs[0].token_ids)
+    records = scheduler_of(llm).kvpress_records
+    assert any(r.preemptions > 0 for r in records.values()), "the pool was meant to force a preemption"
+    assert [tokens[f"p{i}"] for i in range(3)] == expected
+
+
+def test_head_wise_presses_refuse_tensor_parallelism():
+    """Tensor parallelism splits a layer's heads (and each block) over ranks whose shares of a shared budget differ:
+    head-wise presses refuse it, engine-wide at start-up and per request in the caller."""
+    from kvpress_critical_vllm.options import CompressionOptions, OptionsError, check_layout, resolve_options
+
+    with pytest.raises(OptionsError, match="tensor parallelism"):
+        check_layout(CompressionOptions(press="critical_adakv_snapkv"), 32, "engine", tensor_parallel_size=2)
+    engine = CompressionOptions(compression_ratio=0.5)
+    with pytest.raises(OptionsError, match="tensor_parallel_size=1"):
+        resolve_options(engine, {"kvpress_critical.press": "adakv_snapkv"}, 32, tensor_parallel_size=2)
+    assert resolve_options(engine, {"kvpress_critical.press": "critical_snapkv"}, 32, tensor_parallel_size=2)
+    with pytest.raises(OptionsError, match="window_size=16 must be at least block_size - 1 = 31"):
+        resolve_options(engine, {"kvpress_critical": {"press": "adakv_snapkv", "window_size": 16}}, 32)
