@@ -233,60 +233,34 @@ void merge_items(const float* part, int64_t slot, const std::vector<int64_t>& fi
   });
 }
 
-// Everything but the reading of the context: work items, the tail, the merge. tail_keys / tail_values: unit stride
-// along head_dim, fp32 / bf16 / half.
-at::Tensor attend_items(const at::Tensor& query, const Context& ctx, int64_t n_entries, const at::Tensor& cu_seqlens,
-                        const at::Tensor& tail_keys, const at::Tensor& tail_values, int64_t tail_len, double scale) {
+// The work items of an op, run by the threads: each item's problem rows (its segment's G * q queries, scaled, fp32)
+// attend through `attend_item(item, b, kv, qs, m, l, acc, space, last, extra)`, which fills the item's partial state
+// (max m, sum l, unnormalised output acc: initialised here) with the micro-kernels; `last` (rows) holds causal limits
+// and `extra` is a per-thread byte buffer the item may use. Then the items of each segment are merged into the output.
+template <typename AttendItem>
+at::Tensor run_items(const at::Tensor& query, int64_t kv_heads, const std::vector<Item>& items,
+                     const std::vector<int64_t>& first_item, double scale, AttendItem&& attend_item) {
   const int64_t batch = query.size(0), heads = query.size(1), q_len = query.size(2), d = query.size(3);
-  const int64_t kv_heads = tail_keys.size(1), group = heads / kv_heads, segments = batch * kv_heads;
-  const int64_t rows = group * q_len;  // problem rows of a segment: row r = g * q_len + i
+  const int64_t group = heads / kv_heads, rows = group * q_len;  // problem rows of a segment: r = g * q_len + i
   at::Tensor out = at::empty({batch, q_len, heads, d}, query.options());
   if (out.numel() == 0) return out;
-  const at::Tensor cu = cu_seqlens.contiguous();
-  const int64_t* cu_ptr = cu.const_data_ptr<int64_t>();
-  TORCH_CHECK(cu_ptr[0] == 0 && cu_ptr[segments] == n_entries, "kvpress_critical: cu_seqlens must start at 0 and end "
-              "at the number of packed entries (", n_entries, "), got ", cu_ptr[0], " .. ", cu_ptr[segments]);
-
-  // work items: context chunks of every segment (flash-decoding splits: a long head is spread over the threads),
-  // then one tail item per segment
-  const int64_t threads = at::get_num_threads();
-  const int64_t total = n_entries + segments * tail_len;
-  const int64_t chunk = std::max<int64_t>(kMinChunk, (total + 4 * threads - 1) / (4 * threads));
-  std::vector<Item> items;
-  std::vector<int64_t> first_item(segments + 1, 0);
-  for (int64_t s = 0; s < segments; ++s) {
-    first_item[s] = static_cast<int64_t>(items.size());
-    const int64_t length = cu_ptr[s + 1] - cu_ptr[s];
-    TORCH_CHECK(length >= 0, "kvpress_critical: cu_seqlens must be non-decreasing");
-    for (int64_t begin = 0; begin < length; begin += chunk) items.push_back({s, begin, std::min(length, begin + chunk), false});
-    if (tail_len > 0) items.push_back({s, 0, tail_len, true});
-  }
-  first_item[segments] = static_cast<int64_t>(items.size());
   const int64_t n_items = static_cast<int64_t>(items.size());
   // per item and row: max, sum, then the (rows, d) unnormalised output
   const int64_t slot = rows * (d + 2);
   at::Tensor partial = at::empty({std::max<int64_t>(n_items, 1) * slot}, query.options().dtype(at::kFloat));
   float* const part = partial.mutable_data_ptr<float>();
-
-  const AttentionIsa& isa = attention_isa();
-  const auto tail_type = tail_keys.scalar_type();
-  const AttendFn attend_tail = tail_type == at::kFloat ? isa.f32 : tail_type == at::kBFloat16 ? isa.bf16 : isa.f16;
-  const int64_t tsize = tail_keys.element_size();
-  const char* tk_base = static_cast<const char*>(tail_keys.const_data_ptr());
-  const char* tv_base = static_cast<const char*>(tail_values.const_data_ptr());
   const float fscale = static_cast<float>(scale);
-
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(threads, std::max<int64_t>(n_items, 1));
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n_items, 1));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    // per-thread scratch through torch's allocator: scaled queries | the micro-kernel's work space | causal limits
+    // per-thread scratch through torch's allocator: scaled queries | the micro-kernel's work space
     const int64_t work = (2 * rows + 2 * d) * kMaxVL;
     at::Tensor scratch = at::empty({rows * d + work}, partial.options());
     float* const qs = scratch.mutable_data_ptr<float>();
     float* const space = qs + rows * d;
     std::vector<int64_t> last(rows);
+    std::vector<char> extra;
     int64_t loaded_segment = -1;
-
     for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {
       const Item item = items[it];
       const int64_t b = item.segment / kv_heads, kv = item.segment % kv_heads;
@@ -300,25 +274,72 @@ at::Tensor attend_items(const at::Tensor& query, const Context& ctx, int64_t n_e
       std::fill(m, m + rows, kNegInf);
       std::fill(l, l + rows, 0.0f);
       std::fill(acc, acc + rows * d, 0.0f);
-      if (item.tail) {  // query i sees tail positions <= tail_len - q_len + i (causal among the new tokens)
-        for (int64_t r = 0; r < rows; ++r) last[r] = tail_len - q_len + r % q_len;
-        const char* tk = tk_base + (b * tail_keys.stride(0) + kv * tail_keys.stride(1)) * tsize;
-        const char* tv = tv_base + (b * tail_values.stride(0) + kv * tail_values.stride(1)) * tsize;
-        attend_tail(qs, rows, d, tk, tail_keys.stride(2), tv, tail_values.stride(2), tail_len, last.data(), m, l, acc,
-                    space);
-      } else {
-        const int64_t first = cu_ptr[item.segment] + item.begin, n = item.end - item.begin;
-        if (ctx.attend_codes != nullptr)
-          ctx.attend_codes(qs, rows, d, ctx.k_codes, ctx.v_codes, first, n, m, l, acc, space);
-        else
-          ctx.attend(qs, rows, d, ctx.k + first * ctx.ldk * ctx.esize, ctx.ldk, ctx.v + first * ctx.ldv * ctx.esize,
-                     ctx.ldv, n, nullptr, m, l, acc, space);
-      }
+      attend_item(item, b, kv, qs, m, l, acc, space, last.data(), extra);
     }
   });
-
   merge_items(part, slot, first_item, kv_heads, out);
   return out;
+}
+
+// The items of a segment: chunks of its context entries (flash-decoding splits: a long head is spread over the
+// threads) of at least kMinChunk entries, then one tail item when it has a tail. Returns the segments' first items.
+std::vector<int64_t> segment_items(int64_t segments, int64_t total, const int64_t* lengths_or_null,
+                                   const int64_t* cu_or_null, const int64_t* tails, int64_t kv_heads,
+                                   std::vector<Item>& items) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = std::max<int64_t>(kMinChunk, (total + 4 * threads - 1) / (4 * threads));
+  std::vector<int64_t> first_item(segments + 1, 0);
+  for (int64_t s = 0; s < segments; ++s) {
+    first_item[s] = static_cast<int64_t>(items.size());
+    const int64_t length = lengths_or_null != nullptr ? lengths_or_null[s] : cu_or_null[s + 1] - cu_or_null[s];
+    TORCH_CHECK(length >= 0, "kvpress_critical: segment lengths must be non-negative (cu_seqlens non-decreasing)");
+    for (int64_t begin = 0; begin < length; begin += chunk)
+      items.push_back({s, begin, std::min(length, begin + chunk), false});
+    const int64_t tail = tails[s / kv_heads];
+    if (tail > 0) items.push_back({s, 0, tail, true});
+  }
+  first_item[segments] = static_cast<int64_t>(items.size());
+  return first_item;
+}
+
+// Everything but the reading of the context: work items, the tail, the merge. tail_keys / tail_values: unit stride
+// along head_dim, fp32 / bf16 / half.
+at::Tensor attend_items(const at::Tensor& query, const Context& ctx, int64_t n_entries, const at::Tensor& cu_seqlens,
+                        const at::Tensor& tail_keys, const at::Tensor& tail_values, int64_t tail_len, double scale) {
+  const int64_t batch = query.size(0), q_len = query.size(2), d = query.size(3);
+  const int64_t kv_heads = tail_keys.size(1), segments = batch * kv_heads, rows = query.size(1) / kv_heads * q_len;
+  const at::Tensor cu = cu_seqlens.contiguous();
+  const int64_t* cu_ptr = cu.const_data_ptr<int64_t>();
+  TORCH_CHECK(cu_ptr[0] == 0 && cu_ptr[segments] == n_entries, "kvpress_critical: cu_seqlens must start at 0 and end "
+              "at the number of packed entries (", n_entries, "), got ", cu_ptr[0], " .. ", cu_ptr[segments]);
+  const std::vector<int64_t> tails(batch, tail_len);
+  std::vector<Item> items;
+  const std::vector<int64_t> first_item =
+      segment_items(segments, n_entries + segments * tail_len, nullptr, cu_ptr, tails.data(), kv_heads, items);
+
+  const AttentionIsa& isa = attention_isa();
+  const auto tail_type = tail_keys.scalar_type();
+  const AttendFn attend_tail = tail_type == at::kFloat ? isa.f32 : tail_type == at::kBFloat16 ? isa.bf16 : isa.f16;
+  const int64_t tsize = tail_keys.element_size();
+  const char* tk_base = static_cast<const char*>(tail_keys.const_data_ptr());
+  const char* tv_base = static_cast<const char*>(tail_values.const_data_ptr());
+  return run_items(query, kv_heads, items, first_item, scale,
+                   [&](const Item& item, int64_t b, int64_t kv, const float* qs, float* m, float* l, float* acc,
+                       float* space, int64_t* last, std::vector<char>&) {
+    if (item.tail) {  // query i sees tail positions <= tail_len - q_len + i (causal among the new tokens)
+      for (int64_t r = 0; r < rows; ++r) last[r] = tail_len - q_len + r % q_len;
+      const char* tk = tk_base + (b * tail_keys.stride(0) + kv * tail_keys.stride(1)) * tsize;
+      const char* tv = tv_base + (b * tail_values.stride(0) + kv * tail_values.stride(1)) * tsize;
+      attend_tail(qs, rows, d, tk, tail_keys.stride(2), tv, tail_values.stride(2), tail_len, last, m, l, acc, space);
+    } else {
+      const int64_t first = cu_ptr[item.segment] + item.begin, n = item.end - item.begin;
+      if (ctx.attend_codes != nullptr)
+        ctx.attend_codes(qs, rows, d, ctx.k_codes, ctx.v_codes, first, n, m, l, acc, space);
+      else
+        ctx.attend(qs, rows, d, ctx.k + first * ctx.ldk * ctx.esize, ctx.ldk, ctx.v + first * ctx.ldv * ctx.esize,
+                   ctx.ldv, n, nullptr, m, l, acc, space);
+    }
+  });
 }
 
 at::Tensor ragged_attention_cpu(const at::Tensor& query, const at::Tensor& keys_in, const at::Tensor& values_in,
@@ -461,9 +482,7 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
   const int64_t* koff = key_offsets.const_data_ptr<int64_t>();
   const int64_t* voff = value_offsets.const_data_ptr<int64_t>();
   const int64_t rows_per_block = region_keys.size(1), num_blocks = region_keys.size(0);
-  const int64_t group = heads / kv_heads, rows = group * q_len;
-  at::Tensor out = at::empty({batch, q_len, heads, d}, query.options());
-  if (out.numel() == 0) return out;
+  const int64_t rows = heads / kv_heads * q_len;
 
   // check every block a segment or a tail reads is in the cache (an engine's tables are checked once per call)
   int64_t max_tail = 0;
@@ -493,23 +512,10 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
                 "kvpress_critical: key / value offsets outside a block");
   }
 
-  const int64_t threads = at::get_num_threads();
   int64_t total = 0;
   for (int64_t s = 0; s < segments; ++s) total += lengths[s] + tails[s / kv_heads];
-  const int64_t chunk = std::max<int64_t>(kMinChunk, (total + 4 * threads - 1) / (4 * threads));
   std::vector<Item> items;
-  std::vector<int64_t> first_item(segments + 1, 0);
-  for (int64_t s = 0; s < segments; ++s) {
-    first_item[s] = static_cast<int64_t>(items.size());
-    for (int64_t begin = 0; begin < lengths[s]; begin += chunk)
-      items.push_back({s, begin, std::min(lengths[s], begin + chunk), false});
-    items.push_back({s, 0, tails[s / kv_heads], true});
-  }
-  first_item[segments] = static_cast<int64_t>(items.size());
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t slot = rows * (d + 2);
-  at::Tensor partial = at::empty({n_items * slot}, query.options().dtype(at::kFloat));
-  float* const part = partial.mutable_data_ptr<float>();
+  const std::vector<int64_t> first_item = segment_items(segments, total, lengths, nullptr, tails, kv_heads, items);
 
   const AttentionIsa& isa = attention_isa();
   const AttendFn attend = type == at::kFloat ? isa.f32 : type == at::kBFloat16 ? isa.bf16 : isa.f16;
@@ -518,67 +524,41 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
   const char* rv = static_cast<const char*>(region_values.const_data_ptr());
   const char* tk = static_cast<const char*>(tail_keys.const_data_ptr());
   const char* tv = static_cast<const char*>(tail_values.const_data_ptr());
-  const float fscale = static_cast<float>(scale);
-
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(threads, n_items);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    const int64_t work = (2 * rows + 2 * d) * kMaxVL;
-    at::Tensor scratch = at::empty({rows * d + work}, partial.options());
-    float* const qs = scratch.mutable_data_ptr<float>();
-    float* const space = qs + rows * d;
-    // one (row, KV head)'s tail in the cache's element type: keys then values, (max_tail, d) each
-    std::vector<char> gathered(2 * std::max<int64_t>(max_tail, 1) * d * esize);
-    std::vector<int64_t> last(rows);
-    int64_t loaded_segment = -1;
-    for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {
-      const Item item = items[it];
-      const int64_t b = item.segment / kv_heads, kv = item.segment % kv_heads;
-      if (item.segment != loaded_segment) {
-        load_queries(query, b, kv, group, fscale, qs);
-        loaded_segment = item.segment;
+  return run_items(query, kv_heads, items, first_item, scale,
+                   [&](const Item& item, int64_t b, int64_t kv, const float* qs, float* m, float* l, float* acc,
+                       float* space, int64_t* last, std::vector<char>& gathered) {
+    if (item.tail) {  // the row's tail for this KV head, gathered in the cache's element type: keys, then values
+      const int64_t length = item.end;
+      gathered.resize(2 * max_tail * d * esize);
+      char* gk = gathered.data();
+      char* gv = gk + length * d * esize;
+      for (int64_t t = 0; t < length; ++t) {
+        const int64_t block = tt[b * tail_table.size(1) + t / block_size];
+        const int64_t* ko = koff + (kv * block_size + t % block_size) * d;
+        const int64_t* vo = voff + (kv * block_size + t % block_size) * d;
+        const char* kb = tk + block * tail_keys.stride(0) * esize;
+        const char* vb = tv + block * tail_values.stride(0) * esize;
+        for (int64_t k = 0; k < d; ++k) {
+          std::memcpy(gk + (t * d + k) * esize, kb + ko[k] * esize, esize);
+          std::memcpy(gv + (t * d + k) * esize, vb + vo[k] * esize, esize);
+        }
       }
-      float* const m = part + it * slot;
-      float* const l = m + rows;
-      float* const acc = l + rows;
-      std::fill(m, m + rows, kNegInf);
-      std::fill(l, l + rows, 0.0f);
-      std::fill(acc, acc + rows * d, 0.0f);
-      if (item.tail) {
-        const int64_t length = item.end;
-        if (length == 0) continue;
-        char* gk = gathered.data();
-        char* gv = gk + length * d * esize;
-        for (int64_t t = 0; t < length; ++t) {
-          const int64_t block = tt[b * tail_table.size(1) + t / block_size];
-          const int64_t* ko = koff + (kv * block_size + t % block_size) * d;
-          const int64_t* vo = voff + (kv * block_size + t % block_size) * d;
-          const char* kb = tk + block * tail_keys.stride(0) * esize;
-          const char* vb = tv + block * tail_values.stride(0) * esize;
-          for (int64_t k = 0; k < d; ++k) {
-            std::memcpy(gk + (t * d + k) * esize, kb + ko[k] * esize, esize);
-            std::memcpy(gv + (t * d + k) * esize, vb + vo[k] * esize, esize);
-          }
-        }
-        for (int64_t r = 0; r < rows; ++r) last[r] = length - q_len + r % q_len;
-        attend(qs, rows, d, gk, d, gv, d, length, last.data(), m, l, acc, space);
-      } else {  // the region entries [begin, end) of the segment, one run (region block) at a time
-        int64_t e = starts[item.segment] + item.begin;
-        const int64_t stop = starts[item.segment] + item.end;
-        while (e < stop) {
-          const int64_t column = e / rows_per_block, row = e % rows_per_block;
-          const int64_t n = std::min(stop, (column + 1) * rows_per_block) - e;
-          const int64_t block = rt[b * region_table.size(1) + column];
-          attend(qs, rows, d, rk + (block * region_keys.stride(0) + row * region_keys.stride(1)) * esize,
-                 region_keys.stride(1), rv + (block * region_values.stride(0) + row * region_values.stride(1)) * esize,
-                 region_values.stride(1), n, nullptr, m, l, acc, space);
-          e += n;
-        }
+      for (int64_t r = 0; r < rows; ++r) last[r] = length - q_len + r % q_len;
+      attend(qs, rows, d, gk, d, gv, d, length, last, m, l, acc, space);
+    } else {  // the region entries [begin, end) of the segment, one run (region block) at a time
+      int64_t e = starts[item.segment] + item.begin;
+      const int64_t stop = starts[item.segment] + item.end;
+      while (e < stop) {
+        const int64_t column = e / rows_per_block, row = e % rows_per_block;
+        const int64_t n = std::min(stop, (column + 1) * rows_per_block) - e;
+        const int64_t block = rt[b * region_table.size(1) + column];
+        attend(qs, rows, d, rk + (block * region_keys.stride(0) + row * region_keys.stride(1)) * esize,
+               region_keys.stride(1), rv + (block * region_values.stride(0) + row * region_values.stride(1)) * esize,
+               region_values.stride(1), n, nullptr, m, l, acc, space);
+        e += n;
       }
     }
   });
-  merge_items(part, slot, first_item, kv_heads, out);
-  return out;
 }
 
 std::string attention_kernel_isa() { return attention_isa().name; }

@@ -22,7 +22,8 @@ CORE += sorted(
     f"kvpress_critical.ops.{p.parent.name}" for p in (ROOT / "kvpress_critical" / "ops").glob("*/__init__.py")
 )
 # of the package root's own modules, only these: the others (presses, pipelines, data, ...) need kvpress
-ROOT_MODULES = {"__init__", "_version"}
+# (default_model: where the embedded model's GGUF file is and where its conversions go, shared with the plugin's)
+ROOT_MODULES = {"__init__", "_version", "default_model"}
 
 
 class BuildPy(kernel_sources_build_py(ROOT / "csrc")):

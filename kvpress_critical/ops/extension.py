@@ -261,6 +261,11 @@ def _register_fakes() -> None:
         bsz, heads, q_len, head_dim = query.shape
         return query.new_empty((bsz, q_len, heads, head_dim))
 
+    @torch.library.register_fake("kvpress_critical::paged_ragged_attention")
+    def _paged_ragged_attention_fake(query, *_):
+        bsz, heads, q_len, head_dim = query.shape
+        return query.new_empty((bsz, q_len, heads, head_dim))
+
 
 def _find_or_build() -> tuple[Path | None, bool, str | None]:
     """``(library, cuda, reason)``: the library to load (building it when allowed), or why there is none."""

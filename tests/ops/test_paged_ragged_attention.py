@@ -120,6 +120,18 @@ def test_bad_inputs_are_refused_with_their_name():
         paged_ragged_attention(**{**inputs, "query": inputs["query"][:, :3]}, backend="torch")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_opcheck(ops, dtype, q_len):
+    """Schema, fake implementation and dispatch of kvpress_critical::paged_ragged_attention (torch.library.opcheck)."""
+    inputs = layout(2, 3, q_len, 16, 8, dtype)
+    inputs["tail_keys"] = inputs["tail_values"] = inputs["tail_keys"].nan_to_num()  # NaN-free results to compare
+    args = [inputs[name] for name in ("query", "region_keys", "region_values", "region_table", "seg_start", "seg_len",
+                                      "tail_keys", "tail_values", "tail_table", "tail_len", "key_offsets",
+                                      "value_offsets")]  # fmt: skip
+    torch.library.opcheck(ops.paged_ragged_attention.default, (*args, 0.25))
+
+
 def test_the_cpp_kernel_refuses_blocks_outside_the_cache(ops):
     inputs = layout(1, 2, 1, 64, 8, torch.float32)
     table = inputs["region_table"].clone()

@@ -7,16 +7,15 @@ Run in the plugin's environment after ``kvpress-critical-vllm-model`` (docs/vllm
 vLLM starts its engine processes with spawn, so the script needs the ``__main__`` guard.
 """
 
-import subprocess
 import sys
 from pathlib import Path
 
+from kvpress_critical_vllm.embedded_model import model_path
 from vllm import LLM, SamplingParams
 
 if __name__ == "__main__":
-    model = subprocess.run(["kvpress-critical-vllm-model"], capture_output=True, text=True, check=True).stdout.strip()
     llm = LLM(
-        model,
+        str(model_path()),  # the embedded SmolLM2, converted for vLLM (kvpress-critical-vllm-model)
         dtype="float32",  # CPU: float32 and eager mode start in about a minute (bf16 and compilation take minutes)
         enforce_eager=True,
         block_size=32,  # the plugin frees whole blocks: smaller blocks free closer to the budget (CPU default 128)

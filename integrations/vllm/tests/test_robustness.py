@@ -19,8 +19,10 @@ from conftest import REPO
 
 pytestmark = pytest.mark.slow
 
-# the engine process's resident memory may grow this much over the soak (after a warm-up of the same mix)
-RSS_BOUND_MIB = 64
+# the engine process's resident memory may grow this much over the soak (after a warm-up of the same mix). Measured
+# (docs/vllm.md, "Limits and failure modes"): stock vLLM, without the plugin, grows as much under the same load, and
+# most of it is freed memory glibc's allocator keeps (malloc_trim returns 300-450 MiB); 120 requests grew it by 90 MiB
+RSS_BOUND_MIB = 192
 
 
 def complete(url: str, xargs: dict | None, prompt: str = "The capital of France is", max_tokens: int = 4):
@@ -45,7 +47,8 @@ BAD_OPTIONS = [
     ({"kvpress_critical.ratio": 0.5}, "unknown option", "compression_ratio"),
     ({"kvpress_critical.press": "tova"}, "press", "critical_snapkv"),
     ({"kvpress_critical.press": 3}, "press", "critical_snapkv"),
-    ({"kvpress_critical.press": "adakv"}, "press", "head-wise"),
+    ({"kvpress_critical.press": "adakv_knorm"}, "press", "N mod block_size"),
+    ({"kvpress_critical.press": "adakv_snapkv", "kvpress_critical.window_size": 16}, "window_size", "block_size - 1"),
     ({"kvpress_critical.backend": "cuda"}, "backend", "whole engine"),
     ({"kvpress_critical.record_selections": 1}, "record_selections", "whole engine"),
     ({"kvpress_critical.window_size": 70000}, "window_size", "[1, 256]"),
