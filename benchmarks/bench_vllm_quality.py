@@ -71,13 +71,15 @@ def main(argv=None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data = generate_quality_dataset(tokenizer, context_length=args.context_length, n_contexts=args.contexts)
-    prompts = [
+    texts = [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"{row.context}\n\n{row.question}"}], add_generation_prompt=True, tokenize=True
+            [{"role": "user", "content": f"{row.context}\n\n{row.question}"}],
+            add_generation_prompt=True,
+            tokenize=False,
         )
         for row in data.itertuples()
     ]
-    prompts = [p["input_ids"] if isinstance(p, dict) else list(p) for p in prompts]
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     llm = LLM(
         args.model, dtype=args.dtype, enforce_eager=True, block_size=args.block_size, seed=0,
         max_model_len=max(map(len, prompts)) + args.max_new, kv_cache_memory_bytes=512 * 2**20,

@@ -1,4 +1,4 @@
-"""The plugin's benchmark runs end to end (tiny sizes) and writes its table."""
+"""The plugin's benchmarks run end to end (tiny sizes) and write their tables."""
 
 import os
 import subprocess
@@ -18,3 +18,14 @@ def test_bench_vllm_quick_writes_its_table(tmp_path):
     table = (tmp_path / "vllm_cpu.md").read_text()
     assert "| vLLM |" in table and "| critical_snapkv 0.75 |" in table and "| critical_adakv_snapkv 0.75 |" in table
     assert (tmp_path / "vllm_cpu.csv").read_text().count("\n") == 6  # a header and five configurations
+
+
+def test_bench_vllm_quality_quick_writes_its_table(tmp_path):
+    env = dict(os.environ, KVPRESS_CRITICAL_VLLM_MODEL=model_path())
+    script = REPO / "benchmarks" / "bench_vllm_quality.py"
+    command = [sys.executable, str(script), "--quick", "--out-dir", str(tmp_path)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    table = (tmp_path / "vllm_quality_cpu.md").read_text()
+    assert "| uncompressed | 0.00 | 1.000 |" in table  # the reference agrees with itself
+    assert "(vs critical_snapkv)" in table and "(vs snapkv)" in table
