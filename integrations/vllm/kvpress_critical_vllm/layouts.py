@@ -15,20 +15,39 @@ from collections.abc import Callable
 import torch
 
 
+def block_memory(kv_cache: torch.Tensor) -> torch.Tensor:
+    """
+    ``(blocks, block elements)``: each block of a ``[blocks, ...]`` paged cache as the run of memory it occupies, in
+    memory order (a backend may order a block's dimensions in memory unlike its logical view, as flash-attn's
+    ``NHD`` layout does). Element offsets inside a block (:func:`strided_offsets`) index this view.
+    """
+    sizes, strides = kv_cache.shape[1:], kv_cache.stride()[1:]
+    expected = 1
+    for size, stride in sorted(zip(sizes, strides), key=lambda pair: pair[1]):
+        if size > 1 and stride != expected:
+            raise ValueError(
+                f"the head-wise layout needs each KV block dense in memory; this cache's blocks have shape "
+                f"{tuple(sizes)} and strides {tuple(strides)}"
+            )
+        expected *= size
+    if kv_cache.shape[0] > 1 and kv_cache.stride(0) != expected:
+        raise ValueError(
+            f"the head-wise layout needs KV blocks one after another; the block stride is {kv_cache.stride(0)}"
+        )
+    return kv_cache.as_strided((kv_cache.shape[0], expected), (expected, 1), kv_cache.storage_offset())
+
+
 def region_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
-    ``(blocks, R, d)`` key and value rows of every block, ``R = block_size * H_kv``: a block's memory read as keys then
-    values, the head-wise layout's own order (:mod:`kvpress_critical.ops.paged_ragged_attention`). Only blocks that
-    hold a compacted region are read this way; every other block keeps the backend's order.
+    ``(blocks, R, d)`` key and value rows of every block of a ``[blocks, H_kv, block_size, 2 d]`` cache,
+    ``R = block_size * H_kv``: a block's memory read as keys then values, the head-wise layout's own order
+    (:mod:`kvpress_critical.ops.paged_ragged_attention`). Only blocks that hold a compacted region are read this way;
+    every other block keeps the backend's order.
     """
-    num_blocks = kv_cache.shape[0]
-    if not kv_cache[0].is_contiguous() or kv_cache.stride(0) != kv_cache[0].numel():
-        raise ValueError("the head-wise layout needs each KV block contiguous in memory")
-    block = kv_cache[0].numel()
+    memory = block_memory(kv_cache)
     num_kv_heads, block_size, width = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3]
     rows = num_kv_heads * block_size
-    halves = kv_cache.view(num_blocks, 2, rows, width // 2)
-    assert 2 * rows * (width // 2) == block
+    halves = memory.view(memory.shape[0], 2, rows, width // 2)
     return halves[:, 0], halves[:, 1]
 
 

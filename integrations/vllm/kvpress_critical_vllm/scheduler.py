@@ -94,6 +94,7 @@ class CompressingSchedulerMixin:
             )
         spec = groups[0].kv_cache_spec
         self.kvpress_block_size = spec.block_size
+        self._kvpress_tp_size = self.vllm_config.parallel_config.tensor_parallel_size
         self._kvpress_layers = len(groups[0].layer_names)
         self._kvpress_kv_heads = spec.num_kv_heads
         self._kvpress: dict[str, Tracked] = {}
@@ -128,7 +129,9 @@ class CompressingSchedulerMixin:
     def _plan_request(self, request: Request) -> None:
         request_id = request.request_id
         try:
-            options = resolve_options(self.kvpress_options, request.sampling_params.extra_args, self.kvpress_block_size)
+            options = resolve_options(
+                self.kvpress_options, request.sampling_params.extra_args, self.kvpress_block_size, self._kvpress_tp_size
+            )
         except OptionsError as error:  # checked in the caller already; a client that skipped it gets no compression
             self._leave_uncompressed(request_id, f"its options are invalid ({error})", "invalid_options")
             return

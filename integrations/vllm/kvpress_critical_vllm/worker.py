@@ -17,6 +17,7 @@ import torch
 
 from kvpress_critical_vllm.attention import CompressingBuilderMixin, CompressingImplMixin, register_backends
 from kvpress_critical_vllm.engine_config import EngineConfigError
+from kvpress_critical_vllm.layouts import region_views
 from kvpress_critical_vllm.protocol import REPORT_ATTRIBUTE, StepReport
 from kvpress_critical_vllm.worker_state import WorkerState
 
@@ -36,6 +37,22 @@ def with_report(output, report: StepReport):
             output = copy(output)
         setattr(output, REPORT_ATTRIBUTE, report)
     return output
+
+
+def check_attention_impl(name: str, impl) -> None:
+    """Refuse a layer whose attention has a bias, cap or sink the plugin's moved entries and kernels do not carry (ALiBi
+    follows a slot's index, not its entry's position; ``paged_ragged_attention`` has none of them)."""
+    variants = {
+        "ALiBi": getattr(impl, "alibi_slopes", None) is not None,
+        "a logits soft cap": bool(getattr(impl, "logits_soft_cap", None)),
+        "attention sinks": getattr(impl, "sinks", None) is not None,
+    }
+    for variant, used in variants.items():
+        if used:
+            raise EngineConfigError(
+                f"kvpress_critical cannot compress layer {name}: it uses {variant}, which the plugin's moved entries "
+                "and head-wise kernels do not carry. Serve a model without it, or vLLM without the plugin."
+            )
 
 
 def _reporting_async_output():
@@ -125,6 +142,13 @@ class CompressingWorkerMixin:
                     f"(layer {name}): the plugin extends CPU_ATTN and FLASH_ATTN. Select one with "
                     "attention_config={'backend': 'FLASH_ATTN'} (--attention-backend FLASH_ATTN) on NVIDIA GPUs."
                 )
+            check_attention_impl(name, layer.impl)
+            try:
+                region_views(layer.kv_cache)
+            except ValueError as error:
+                raise EngineConfigError(
+                    f"kvpress_critical cannot read layer {name}'s KV cache as head-wise regions: {error}"
+                ) from error
         first = context[next(iter(state.o_proj))]
         state.layout = first.impl.paged_layout(first, first.kv_cache)
         state.block_size = first.kv_cache.shape[2] if first.kv_cache.dim() == 4 else None

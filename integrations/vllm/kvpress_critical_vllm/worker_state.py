@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kvpress_critical_vllm.layouts import region_views
+from kvpress_critical_vllm.layouts import block_memory, region_views
 from kvpress_critical_vllm.presses import heads_per_chunk, layer_scores, select
 from kvpress_critical_vllm.protocol import DIRECTIVES_ATTRIBUTE, Compact, Compacted, StepDirectives, StepReport
 
@@ -297,7 +297,7 @@ class WorkerState:
 
         index = self.layer_index[layer.layer_name]
         region_keys, region_values = region_views(kv_cache)
-        flat = kv_cache.view(kv_cache.shape[0], -1)
+        flat = block_memory(kv_cache)  # (blocks, block elements): the tail's element offsets index it
         if self.tail_offsets is None:
             self.tail_offsets = self.layout.tail_offsets(kv_cache)
         key_offsets, value_offsets = self.tail_offsets
@@ -334,33 +334,31 @@ class WorkerState:
         plan = self._plan
         if plan is None or not plan.jobs:
             return
-        scored: list[dict | None] = []
+        selected: list[dict | None] = []  # per job: {layer: (H_kv, N) kept}, or None where its selection failed
+        reasons: dict[str, str] = {}
         for job in plan.jobs:
-            try:
-                scored.append(self._score(job, attention_layers))
-            except Exception as error:  # noqa: BLE001 - any failure leaves this request whole, never the engine down
-                logger.warning(
-                    "kvpress_critical: selection failed for request %s; it stays uncompressed: %r",
-                    job.directive.request_id,
-                    error,
-                )
-                scored.append(None)
-            finally:
-                self.queries.pop(job.directive.request_id, None)
-        failed = self._agree_across_ranks([scores is None for scores in scored])
-        broken = []
-        for job, scores, fail in zip(plan.jobs, scored, failed):
             request_id = job.directive.request_id
-            if fail:
-                self._report.uncompressed[request_id] = (
-                    "its selection failed on this worker" if scores is None else "its selection failed on another rank"
-                )
-                continue
             try:
-                kept = self._select(job, scores)
+                selected.append(self._select(job, self._score(job, attention_layers)))
             except LayoutError as error:
                 logger.info("kvpress_critical: request %s: %s", request_id, error)
-                self._report.uncompressed[request_id] = f"its selection does not fit the head-wise layout ({error})"
+                reasons[request_id] = f"its selection does not fit the head-wise layout ({error})"
+                selected.append(None)
+            except Exception as error:  # noqa: BLE001 - any failure leaves this request whole, never the engine down
+                logger.warning(
+                    "kvpress_critical: selection failed for request %s; it stays uncompressed: %r", request_id, error
+                )
+                reasons[request_id] = "its selection failed on this worker"
+                selected.append(None)
+            finally:
+                self.queries.pop(request_id, None)
+        # every layer of every request is selected before anything is written, and on every rank
+        failed = self._agree_across_ranks([kept is None for kept in selected])
+        broken = []
+        for job, kept, fail in zip(plan.jobs, selected, failed):
+            request_id = job.directive.request_id
+            if fail:
+                self._report.uncompressed[request_id] = reasons.get(request_id, "its selection failed on another rank")
                 continue
             try:
                 self._write(job, kept, attention_layers)
@@ -476,8 +474,9 @@ class WorkerState:
                     raise PluginStateError(
                         f"kvpress_critical: {keys.shape[0]} kept entries for a region of {region.numel()} blocks"
                     )
-                region_keys[region] = keys.view(-1, rows, keys.shape[-1])
-                region_values[region] = values.view(-1, rows, values.shape[-1])
+                if region.numel():  # E == B: every kept entry is in the pinned tail
+                    region_keys[region] = keys.view(region.numel(), rows, keys.shape[-1])
+                    region_values[region] = values.view(region.numel(), rows, values.shape[-1])
             return
         target = slots[evict.evicted :]
         for name, mask in kept.items():

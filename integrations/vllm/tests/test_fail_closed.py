@@ -36,7 +36,10 @@ def greedy(max_tokens, ratio=None):
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, extra_args=extra)
 
 
-def test_a_failed_selection_leaves_the_request_whole_and_its_blocks_held(engine, prompt_ids, monkeypatch, caplog):
+@pytest.mark.parametrize("stage", ["layer_scores", "select"])  # the scores (read back, SnapKV's attention), the ranks
+def test_a_failed_selection_leaves_the_request_whole_and_its_blocks_held(
+    engine, prompt_ids, monkeypatch, caplog, stage
+):
     import kvpress_critical_vllm.worker_state as worker_state
 
     scheduler = scheduler_of(engine)
@@ -47,7 +50,7 @@ def test_a_failed_selection_leaves_the_request_whole_and_its_blocks_held(engine,
     def failing(*args, **kwargs):
         raise RuntimeError("injected selection failure")
 
-    monkeypatch.setattr(worker_state, "layer_scores", failing)
+    monkeypatch.setattr(worker_state, stage, failing)
     free = pool.get_num_free_blocks()
     engine.llm_engine.add_request("fails", {"prompt_token_ids": prompt}, greedy(16))
     engine.llm_engine.step()  # the prompt: 25 blocks; the selection fails, nothing is written or freed

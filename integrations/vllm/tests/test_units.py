@@ -282,3 +282,88 @@ def test_the_compaction_memory_formula_bounds_a_chunk():
     assert one_head < uniform < one_head + 250 * 2**20
     head_wise = compaction_peak_bytes(131072, 8, 4, 128, 2, 64, 32, head_wise=True)
     assert head_wise - uniform == 2 * 131072 * 7 * 128 * 2  # the layer's kept entries, read before they move
+
+
+# ------------------------------------------------------------------------------------------ head-wise regions
+def _nhd_cache(num_blocks, num_kv_heads, block_size, head_size):
+    """A ``[blocks, H_kv, block_size, 2 d]`` view whose memory is slot-major, as flash-attn's NHD layout stores it."""
+    memory = torch.randn(num_blocks, block_size, num_kv_heads, 2 * head_size)
+    return memory.transpose(1, 2)
+
+
+def test_region_views_read_each_block_in_memory_order_whatever_its_logical_order():
+    from kvpress_critical_vllm.layouts import block_memory, region_views
+
+    for kv_cache in (torch.randn(5, 3, 16, 8), _nhd_cache(5, 3, 16, 4)):
+        keys, values = region_views(kv_cache)
+        assert keys.shape == values.shape == (5, 48, 4)
+        keys[2].fill_(7.0)
+        values[2].fill_(-7.0)
+        memory = block_memory(kv_cache)
+        assert torch.equal(memory[2, : 48 * 4], torch.full((192,), 7.0))
+        assert torch.equal(memory[2, 48 * 4 :], torch.full((192,), -7.0))
+        assert kv_cache[2].abs().eq(7.0).all() and not kv_cache[1].abs().eq(7.0).any()  # one block, in place
+    with pytest.raises(ValueError, match="dense in memory"):
+        region_views(torch.randn(5, 3, 32, 8)[:, :, :16])
+
+
+def _head_wise_job(n_prompt, ratio, block_size, num_blocks):
+    from kvpress_critical_vllm.protocol import Compact
+    from kvpress_critical_vllm.worker_state import Job
+
+    options = CompressionOptions(press="critical_adakv_snapkv", compression_ratio=ratio, window_size=block_size - 1)
+    evict = eviction(options, n_prompt, block_size)
+    block_ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
+    return Job(Compact("a", options, evict), row=0, query_start=0, query_end=n_prompt, block_ids=block_ids)
+
+
+@pytest.mark.parametrize("n_prompt,ratio", [(178, 0.4), (111, 0.9)])  # a region of 3 blocks; E == B: none
+def test_a_head_wise_write_packs_each_heads_entries_into_the_region(n_prompt, ratio):
+    from kvpress_critical_vllm.layouts import SplitLayout, region_views, split_flash_attn
+
+    block_size, num_kv_heads, head_size = 16, 3, 4
+    state = _worker_state(["a"], [0])
+    state.layout = SplitLayout(split_flash_attn, head_size)
+    job = _head_wise_job(n_prompt, ratio, block_size, num_blocks=16)
+    evict = job.directive.eviction
+    boundary = n_prompt // block_size * block_size
+    kv_cache = _nhd_cache(16, num_kv_heads, block_size, head_size)
+    before = kv_cache.clone()
+    # uneven per-head counts summing to the uniform budget, the prompt's last partial block kept by every head
+    counts = [evict.kept - 10, evict.kept, evict.kept + 10] if evict.evicted < boundary else [evict.kept] * 3
+    kept = torch.zeros(num_kv_heads, n_prompt, dtype=torch.bool)
+    kept[:, boundary:] = True
+    for head, count in enumerate(counts):
+        kept[head, torch.randperm(boundary)[: count - (n_prompt - boundary)]] = True
+    state._write(job, {"layer": kept}, {"layer": SimpleNamespace(kv_cache=kv_cache)})
+    slots = state._slots(job)
+    expected_keys, expected_values = [], []
+    for head in range(num_kv_heads):
+        positions = kept[head, :boundary].nonzero().flatten()
+        keys, values = state.layout.read(before, slots[positions], slice(head, head + 1))
+        expected_keys.append(keys[:, 0])
+        expected_values.append(values[:, 0])
+    region = job.block_ids[evict.evicted // block_size : boundary // block_size]
+    region_keys, region_values = region_views(kv_cache)
+    assert torch.equal(region_keys[region].reshape(-1, head_size), torch.cat(expected_keys))
+    assert torch.equal(region_values[region].reshape(-1, head_size), torch.cat(expected_values))
+    others = torch.ones(16, dtype=torch.bool)
+    others[region] = False
+    assert torch.equal(kv_cache[others], before[others])  # the tail's block and every other block untouched
+
+
+@pytest.mark.parametrize(
+    "impl,variant",
+    [
+        (SimpleNamespace(alibi_slopes=torch.ones(2), logits_soft_cap=0, sinks=None), "ALiBi"),
+        (SimpleNamespace(alibi_slopes=None, logits_soft_cap=30.0, sinks=None), "logits soft cap"),
+        (SimpleNamespace(alibi_slopes=None, logits_soft_cap=0, sinks=torch.zeros(2)), "attention sinks"),
+    ],
+)
+def test_attention_the_plugin_does_not_carry_refuses(impl, variant):
+    from kvpress_critical_vllm.engine_config import EngineConfigError
+    from kvpress_critical_vllm.worker import check_attention_impl
+
+    with pytest.raises(EngineConfigError, match=variant):
+        check_attention_impl("model.layers.0.self_attn.attn", impl)
+    check_attention_impl("model.layers.0.self_attn.attn", SimpleNamespace(alibi_slopes=None, logits_soft_cap=0))
