@@ -133,6 +133,15 @@ class ChunkedPrefillPress(InnerPressMixin, BasePress):
             bounds[-2:] = [(bounds[-2][0], length)]
         return bounds
 
+    def budget(self, seen: int) -> int:
+        """
+        Entries kept per head (on average over the heads) after the chunk that ends at ``seen`` tokens:
+        ``max(1, int(seen * (1 - compression_ratio)))``, what a one-shot compression of ``seen`` tokens keeps. A
+        subclass may keep other counts (a paged engine's, rounded up to whole blocks); a count not smaller than what
+        the layer holds keeps everything.
+        """
+        return compute_n_kept(seen, self.compression_ratio)
+
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         return self.press.compress(module, hidden_states, keys, values, attentions, kwargs)
 
@@ -225,7 +234,7 @@ class ChunkedPrefillPress(InnerPressMixin, BasePress):
         view = layout.view()
         stored = self._norms.get(idx) if self.reuse_norms else None
         known = layout.known_norms(stored) if stored is not None else {}
-        n_kept = compute_n_kept(seen, self.compression_ratio)
+        n_kept = self.budget(seen)
         layer = LayerInput(
             module, kwargs["hidden_states"], view.keys, view.values, output[1], kwargs, view.excluded, known
         )

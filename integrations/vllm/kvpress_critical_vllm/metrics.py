@@ -38,6 +38,7 @@ COUNTERS = {
     "prompt_tokens_compressed": "Prompt tokens of the compressed requests.",
     "entries_kept": "KV entries the compressed requests kept, over all layers and KV heads.",
     "blocks_freed": "KV blocks the plugin returned to vLLM's pool.",
+    "compactions": "Compactions of a request's KV cache (one per request, or one per prompt chunk with chunk_size).",
 }
 GAUGES = {
     "scheduler_tracked_requests": "Requests the plugin's scheduler keeps state for.",
@@ -74,8 +75,10 @@ class MetricsWriter:
         self.gauges = {name: 0 for name in GAUGES}
         self._dirty, self._written_at = True, 0.0
 
-    def compressed(self, prompt_tokens: int, entries_kept: int, blocks_freed: int) -> None:
-        self.counters["requests_compressed"] += 1
+    def compressed(self, prompt_tokens: int, entries_kept: int, blocks_freed: int, request_done: bool = True) -> None:
+        """One compaction; ``request_done`` for a request's last (the request counts as compressed then)."""
+        self.counters["compactions"] += 1
+        self.counters["requests_compressed"] += int(request_done)
         self.counters["prompt_tokens_compressed"] += prompt_tokens
         self.counters["entries_kept"] += entries_kept
         self.counters["blocks_freed"] += blocks_freed

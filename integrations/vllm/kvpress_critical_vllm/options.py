@@ -81,6 +81,7 @@ REQUEST_OPTIONS = (
     "norm",
     "n_sink",
     "alpha_safeguard",
+    "chunk_size",
 )
 ENGINE_ONLY = ("backend", "attention_backend", "record_selections", "max_window_size", "max_kernel_size")
 ATTENTION_BACKENDS = ("auto", "torch", "cpp", "triton")
@@ -89,6 +90,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpp", "triton")
 WINDOW_LIMIT = 4096
 KERNEL_LIMIT = 255
 N_SINK_LIMIT = 4096
+CHUNK_LIMIT = 2**24
 
 
 class OptionsError(ValueError):
@@ -127,6 +129,11 @@ class CompressionOptions:
         StreamingLLM's sink tokens.
     alpha_safeguard : float
         AdaKV's safeguard: every head first keeps its top ``alpha_safeguard * n_kept`` entries, in ``[0, 1]``.
+    chunk_size : int
+        0 (the default): compress once, after the whole prompt. Otherwise prefill the prompt in chunks of
+        ``chunk_size`` tokens and compress after each one, to what ``ChunkedPrefillPress`` keeps for the tokens seen
+        so far (rounded up to whole blocks), so that a request never holds more than its budget, one chunk and a
+        block per KV head; must exceed ``window_size`` for SnapKV-based presses; uniform presses only.
     backend : str
         Engine-wide only: backend of :func:`kvpress_critical.projected_value_norm` (``auto``, ``torch``, ``cpp``,
         ``cuda``, ``triton``), checked on the engine's device at start-up.
@@ -149,6 +156,7 @@ class CompressionOptions:
     norm: str = "l1"
     n_sink: int = 4
     alpha_safeguard: float = 0.20
+    chunk_size: int = 0
     backend: str = "auto"
     attention_backend: str = "auto"
     record_selections: bool = False
@@ -238,6 +246,20 @@ def check_options(options: CompressionOptions, where: str, engine: CompressionOp
         raise fail("epsilon", "a number in [0, 1]")
     if not _is_number(options.alpha_safeguard) or not 0 <= options.alpha_safeguard <= 1:
         raise fail("alpha_safeguard", "a number in [0, 1]")
+    if not _is_integer(options.chunk_size) or not 0 <= options.chunk_size <= CHUNK_LIMIT:
+        raise fail("chunk_size", f"an integer in [0, {CHUNK_LIMIT}] (0: compress once, after the whole prompt)")
+    if options.chunk_size and options.needs_queries and options.chunk_size <= options.window_size:
+        raise fail(
+            "chunk_size",
+            f"more than window_size={options.window_size} (each chunk's last tokens are SnapKV's observation window)",
+        )
+    if options.head_wise and options.chunk_size:
+        raise OptionsError(
+            f"{where}: press={options.press!r} with chunk_size={options.chunk_size} is not supported: the head-wise "
+            "layout packs a request's kept entries once, after its whole prompt. Use a uniform press (critical_snapkv, "
+            "snapkv...) with chunk_size, or chunk_size=0",
+            option="chunk_size",
+        )
     if options.norm not in ("l1", "l2"):
         raise fail("norm", "'l1' or 'l2'")
     if options.backend not in BACKENDS:

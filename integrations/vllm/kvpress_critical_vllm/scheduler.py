@@ -1,14 +1,16 @@
 """The scheduler side: decide which requests are compressed, direct the workers, free blocks the workers confirm.
 
-For each request, from its options and prompt length (:func:`kvpress_critical_vllm.budget.eviction`): either an
-eviction of ``E`` positions (whole blocks), or a reason to leave it uncompressed, said once in vLLM's log. With the
-step whose scheduled tokens end the prompt, the scheduler sends the workers a compaction directive
-(:mod:`kvpress_critical_vllm.protocol`); the workers move every KV head's kept entries into the slots of positions
-``E .. N-1`` and report back. Only then are the blocks of positions ``0 .. E-1`` freed (replaced by the null block in
-the request's block table, as vLLM's sliding-window manager does): a request the workers did not compact keeps
-every block and runs uncompressed. The request's positions keep counting from ``N``. A preempted request is
-recomputed with its prompt as one prefill (its chunks stop at ``N``) and compressed again, so it resumes over the
-same cache it had. Requests whose prompt can still grow (streaming input) are left uncompressed.
+For each request, from its options and prompt length (:func:`kvpress_critical_vllm.budget.schedule`): either its
+compactions (one after the prompt, or one after every ``chunk_size``-token chunk of it), each evicting whole blocks,
+or a reason to leave it uncompressed, said once in vLLM's log. The scheduler ends a step's tokens of the request at
+each compaction's position ``P`` (vLLM's chunked prefill never runs past it), and with the step that reaches ``P``
+sends the workers a compaction directive (:mod:`kvpress_critical_vllm.protocol`); the workers move every KV head's
+kept entries into the slots of positions ``E .. P-1`` and report back. Only then are the blocks of positions
+``S .. E-1`` freed (``S`` what earlier compactions freed; replaced by the null block in the request's block table, as
+vLLM's sliding-window manager does): a request the workers did not compact keeps every block it holds and is not
+compressed further. The request's positions keep counting as vLLM's. A preempted request is recomputed from its
+first token, its chunks stopping at the same positions, and compressed again, so it resumes over the same cache it
+had. Requests whose prompt can still grow (streaming input) are left uncompressed.
 
 What it did is reported three ways: one log line per request, a bounded window of records
 (``scheduler.kvpress_records``, in-process engines), and counters for the server's ``/metrics``
@@ -26,7 +28,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request, RequestStatus
 
-from kvpress_critical_vllm.budget import Eviction, eviction
+from kvpress_critical_vllm.budget import Eviction, blocks_held_at_most, schedule
 from kvpress_critical_vllm.engine_config import EngineConfigError
 from kvpress_critical_vllm.metrics import MetricsWriter
 from kvpress_critical_vllm.options import CompressionOptions, OptionsError, engine_options, resolve_options
@@ -45,13 +47,15 @@ class CompressionRecord:
     request_id: str
     press: str
     compression_ratio: float
-    prompt_tokens: int
+    prompt_tokens: int  # tokens seen when it was compacted (the prompt's, or its chunks' so far with chunk_size)
     kept_per_head: int  # on average over the KV heads (every head's count with a uniform press)
     kept_min: int  # the fewest entries a KV head of some layer keeps
     kept_max: int  # the most
-    blocks_freed: int
-    blocks_before: int
+    blocks_freed: int  # by all its compactions so far
+    blocks_before: int  # blocks it held before the latest one
     preemptions: int
+    compaction: int = 1  # the latest compaction of the request ...
+    compactions: int = 1  # ... of this many (one per prompt chunk with chunk_size)
 
 
 class BoundedRecords(OrderedDict):
@@ -73,9 +77,25 @@ class Tracked:
     """The plugin's view of one request, from its arrival to its end."""
 
     options: CompressionOptions
-    eviction: Eviction
-    directed_at: int | None = None  # the request's num_preemptions when its compaction was sent
-    compacted_at: int | None = None  # ... and when it was confirmed
+    stages: tuple[Eviction, ...]  # its compactions, in order (one without chunk_size)
+    life: int = 0  # the request's num_preemptions the two counts below are for (a preempted request starts over)
+    directed: int = 0  # compactions sent to the workers in this life
+    confirmed: int = 0  # ... and confirmed by them
+
+    @property
+    def eviction(self) -> Eviction:
+        """The last compaction (the whole prompt's)."""
+        return self.stages[-1]
+
+    def live(self, preemptions: int) -> "Tracked":
+        """Start the counts over when the request was preempted since they were last set."""
+        if preemptions != self.life:
+            self.life, self.directed, self.confirmed = preemptions, 0, 0
+        return self
+
+    def next_end(self, computed: int) -> int | None:
+        """The first compaction position after ``computed`` tokens (where a step's tokens of the request stop)."""
+        return next((stage.n_prompt for stage in self.stages if stage.n_prompt > computed), None)
 
 
 class CompressingSchedulerMixin:
@@ -101,9 +121,11 @@ class CompressingSchedulerMixin:
         self.kvpress_records: BoundedRecords = BoundedRecords(RECORDS_KEPT)
         self.kvpress_metrics = MetricsWriter(self.vllm_config)
         self._kvpress_worker_tracked = 0
+        self._kvpress_reserve_full_isl = self.scheduler_reserve_full_isl  # vLLM's admission of whole sequences
         logger.info(
             "kvpress_critical: blocks of %d tokens: a compressed request keeps up to %d entries per KV head over its "
-            "budget, and a prompt that would evict less than one block stays uncompressed",
+            "budget, and a prompt that would evict less than one block stays uncompressed; a request with chunk_size "
+            "is admitted when the blocks it holds at most are free, not its whole prompt's",
             self.kvpress_block_size,
             self.kvpress_block_size - 1,
         )
@@ -140,12 +162,12 @@ class CompressingSchedulerMixin:
                 why = "its prompt can still grow (streaming input), and the plugin compresses a whole prompt"
                 self._leave_uncompressed(request_id, why, "streaming_input")
             return
-        plan = eviction(options, request.num_prompt_tokens, self.kvpress_block_size)
-        if not plan.active:
+        stages, reason = schedule(options, request.num_prompt_tokens, self.kvpress_block_size)
+        if not stages:
             kind = "ratio_zero" if options.compression_ratio == 0 else "short_prompt"
-            self._leave_uncompressed(request_id, plan.reason, kind)
+            self._leave_uncompressed(request_id, reason, kind)
             return
-        self._kvpress[request_id] = Tracked(options, plan)
+        self._kvpress[request_id] = Tracked(options, stages)
         self.kvpress_metrics.tracked(len(self._kvpress), self._kvpress_worker_tracked)
 
     def _forget(self, request_id: str) -> None:
@@ -172,18 +194,20 @@ class CompressingSchedulerMixin:
             if tracked is None:
                 continue
             request = self.requests[request_id]
-            generation = request.num_preemptions
-            if tracked.compacted_at == generation or tracked.directed_at == generation:
+            tracked.live(request.num_preemptions)
+            if tracked.directed == len(tracked.stages):
                 continue  # compacted in this life of the request, or about to be
-            plan = tracked.eviction
+            plan = tracked.stages[tracked.directed]
             end = request.num_computed_tokens  # already advanced past this step's tokens
             start = end - scheduled
             if end == plan.n_prompt:
-                tracked.directed_at = generation
+                tracked.directed += 1
                 directives.compact[request_id] = Compact(request_id, tracked.options, plan)
-            elif start < plan.n_prompt < end:  # the scheduler's chunks stop at the prompt's end: never expected
+            elif start < plan.n_prompt < end:  # the scheduler's chunks stop at each compaction: never expected
                 self._forget(request_id)
-                self._leave_uncompressed(request_id, f"a step ran past its prompt's end ({start}..{end - 1})")
+                self._leave_uncompressed(
+                    request_id, f"a step ran past its compaction at {plan.n_prompt} ({start}..{end - 1})"
+                )
             elif tracked.options.needs_queries and plan.n_prompt - tracked.options.window_size < end < plan.n_prompt:
                 directives.save_queries[request_id] = tracked.options.window_size
         return directives
@@ -191,13 +215,31 @@ class CompressingSchedulerMixin:
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         tracked = self._kvpress.get(request.request_id)
-        if (
-            tracked is not None
-            and num_computed_tokens < tracked.eviction.n_prompt < num_computed_tokens + num_new_tokens
-        ):
-            # a resumed request recomputes prompt + output: compress after the prompt, then attend over the
-            # compressed cache for the outputs, as the request did before it was preempted
-            num_new_tokens = tracked.eviction.n_prompt - num_computed_tokens
+        if num_computed_tokens == 0 and request.status is not RequestStatus.RUNNING:
+            num_new_tokens = self._admit(request, tracked, num_new_tokens)
+        stop = tracked.next_end(num_computed_tokens) if tracked is not None else None
+        if stop is not None and stop < num_computed_tokens + num_new_tokens:
+            # the step stops where the next compaction is (after a prompt chunk with chunk_size; a resumed request,
+            # which recomputes prompt + output, after its prompt, to attend over the compressed cache for the
+            # outputs as it did before it was preempted)
+            num_new_tokens = stop - num_computed_tokens
+        return num_new_tokens
+
+    def _admit(self, request: Request, tracked: Tracked | None, num_new_tokens: int) -> int:
+        """
+        Admission of a waiting (or preempted) request, called just before vLLM allocates its first blocks: vLLM admits
+        a request only when its whole sequence fits in the free blocks (``scheduler_reserve_full_isl``); a request
+        compacted after every prompt chunk is admitted when what it holds at most fits
+        (:func:`~kvpress_critical_vllm.budget.blocks_held_at_most`), and vLLM's whole-sequence check is skipped for
+        it alone (the flag is read by the allocation that follows this call).
+        """
+        chunked = tracked is not None and tracked.options.chunk_size > 0
+        self.scheduler_reserve_full_isl = self._kvpress_reserve_full_isl and not chunked
+        if not chunked or not self._kvpress_reserve_full_isl:
+            return num_new_tokens
+        needed = blocks_held_at_most(tracked.stages, request.num_tokens, self.kvpress_block_size)
+        if needed > self.kv_cache_manager.block_pool.get_num_free_blocks():
+            return 0  # vLLM then stops admitting, as when a request's blocks cannot be allocated
         return num_new_tokens
 
     # ---------------------------------------------------------------------------------------------------- output
@@ -245,9 +287,9 @@ class CompressingSchedulerMixin:
                     request_id, report.uncompressed.get(request_id, "the workers did not compact it")
                 )
                 continue
-            if tracked.directed_at != request.num_preemptions or done.evicted != directive.eviction.evicted:
+            if tracked.life != request.num_preemptions or done.evicted != directive.eviction.evicted:
                 continue  # preempted since the directive was sent: its blocks were all freed, it is redone later
-            self._free_evicted(request, tracked, done)
+            self._free_evicted(request, tracked, directive.eviction, done)
         return broken
 
     def _end_broken(self, request_ids: list[str], outputs: dict) -> None:
@@ -265,13 +307,15 @@ class CompressingSchedulerMixin:
             )
             outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(ended)
 
-    def _free_evicted(self, request: Request, tracked: Tracked, done) -> None:
-        plan = tracked.eviction
+    def _free_evicted(self, request: Request, tracked: Tracked, plan: Eviction, done) -> None:
         managers = self.kv_cache_manager.coordinator.single_type_managers
-        blocks_before = len(managers[0].req_to_blocks.get(request.request_id, ()))
+        blocks_before = sum(
+            block is not None and not block.is_null for block in managers[0].req_to_blocks.get(request.request_id, ())
+        )
         for manager in managers:
-            manager._remove_blocks_in_range(request.request_id, 0, plan.evicted // manager.block_size)
-        tracked.compacted_at = request.num_preemptions
+            first, end = plan.start // manager.block_size, plan.evicted // manager.block_size
+            manager._remove_blocks_in_range(request.request_id, first, end)
+        tracked.confirmed += 1
         options = tracked.options
         record = CompressionRecord(
             request_id=request.request_id,
@@ -281,22 +325,29 @@ class CompressingSchedulerMixin:
             kept_per_head=plan.kept,
             kept_min=done.kept_min,
             kept_max=done.kept_max,
-            blocks_freed=plan.blocks_freed,
+            blocks_freed=plan.evicted // plan.block_size,
             blocks_before=blocks_before,
             preemptions=request.num_preemptions,
+            compaction=plan.index,
+            compactions=plan.count,
         )
         self.kvpress_records[request.request_id] = record
+        last = plan.index == plan.count
         self.kvpress_metrics.compressed(
-            prompt_tokens=plan.n_prompt,
-            entries_kept=plan.kept * self._kvpress_kv_heads * self._kvpress_layers,
+            prompt_tokens=plan.n_prompt if last else 0,
+            entries_kept=plan.kept * self._kvpress_kv_heads * self._kvpress_layers if last else 0,
             blocks_freed=plan.blocks_freed,
+            request_done=last,
         )
         spread = f" (head-wise: {done.kept_min} to {done.kept_max})" if options.head_wise else ""
+        where = f"prompt {plan.n_prompt} tokens"
+        if plan.count > 1:
+            where = f"compaction {plan.index} of {plan.count} (prompt chunks to {plan.n_prompt} tokens)"
         logger.info(
-            "kvpress_critical: request %s: prompt %d tokens, %d entries kept per KV head%s (%s, compression_ratio "
-            "%.3g, budget %d), %d of %d blocks freed%s",
+            "kvpress_critical: request %s: %s, %d entries kept per KV head%s (%s, compression_ratio %.3g, budget "
+            "%d), %d of %d blocks freed%s",
             request.request_id,
-            plan.n_prompt,
+            where,
             plan.kept,
             spread,
             options.press,

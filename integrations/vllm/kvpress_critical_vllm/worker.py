@@ -220,8 +220,12 @@ class CompressingWorkerMixin:
         """The kept positions recorded per request and layer (``record_selections``), then forgotten."""
         return self.kvpress_state.take_selections()
 
+    def kvpress_critical_stage_selections(self) -> dict:
+        """The kept positions recorded after each compaction of a request (``record_selections``), then forgotten."""
+        return self.kvpress_state.take_stage_selections()
+
     def kvpress_critical_compacted(self) -> int:
-        """How many requests this worker has compacted."""
+        """How many compactions this worker has done (one per request, or one per prompt chunk with chunk_size)."""
         return self.kvpress_state.compacted_requests
 
     def kvpress_critical_tracked(self) -> int:

@@ -144,7 +144,8 @@ class WorkerState:
         self.layer_index: dict[str, int] = {}  # attention layer name -> its index among the compressed layers
         self.tail_offsets: tuple[torch.Tensor, torch.Tensor] | None = None  # (H_kv, bs, d) element offsets
         self.queries: dict[str, dict[str, torch.Tensor]] = {}  # request -> layer -> last window queries so far
-        self.selections: dict[str, dict[str, torch.Tensor]] = {}  # record_selections only
+        self.selections: dict[str, dict[str, list[torch.Tensor]]] = {}  # record_selections only: kept positions
+        self.stage_selections: dict[str, list[tuple[int, dict]]] = {}  # ... after each compaction (tokens seen, kept)
         self.compacted_requests = 0
         self._directives = StepDirectives()
         self._plan: StepPlan | None = None
@@ -243,8 +244,15 @@ class WorkerState:
                         f"prompt (blocks of {evict.block_size}), but this step runs its positions {before}.."
                         f"{before + scheduled - 1} (blocks of {block_size})"
                     )
-                table = cm.block_table_tensor[row, : -(-evict.n_prompt // block_size)]
-                plan.jobs.append(Job(job, row, starts[row], starts[row + 1], table))
+                if self.shifts.get(request_id, 0) != evict.start:
+                    # an earlier compaction of it was not done here (its directive was sent before the report said
+                    # so, with async scheduling): compacting from another start would read the wrong slots
+                    self._report.uncompressed[request_id] = (
+                        f"its compaction from position {evict.start} follows one that was not done"
+                    )
+                else:
+                    table = cm.block_table_tensor[row, : -(-evict.n_prompt // block_size)]
+                    plan.jobs.append(Job(job, row, starts[row], starts[row + 1], table))
             window = directives.save_queries.get(request_id)
             if window is not None:
                 plan.saves.append(QuerySave(request_id, window, starts[row], starts[row + 1]))
@@ -393,13 +401,26 @@ class WorkerState:
             evicted=evict.evicted, kept_per_head=evict.kept, kept_min=int(counts.min()), kept_max=int(counts.max())
         )
         if job.directive.options.record_selections:
-            self.selections[request_id] = {
-                name: [mask[h].nonzero().flatten().cpu() for h in range(mask.shape[0])] for name, mask in kept.items()
-            }
+            # the prompt positions each head keeps: what it held (the earlier compactions' kept positions, then the
+            # positions after them) filtered by this compaction's mask
+            earlier = self.selections.get(request_id, {}) if evict.start else {}
+            stages = self.stage_selections.setdefault(request_id, []) if evict.start else []
+            self.stage_selections[request_id] = stages
+            chosen = {}
+            for name, mask in kept.items():
+                heads = []
+                for h in range(mask.shape[0]):
+                    before = earlier[name][h] if name in earlier else torch.arange(0)
+                    held = torch.cat([before, torch.arange(evict.start + before.numel(), evict.n_prompt)])
+                    heads.append(held[mask[h].nonzero().flatten().cpu()])
+                chosen[name] = heads
+            self.selections[request_id] = chosen
+            stages.append((evict.n_prompt, chosen))
 
     def _slots(self, job: Job) -> torch.Tensor:
+        """``(held,)`` slots of the positions the compaction scores, ``start .. n_prompt - 1``."""
         evict = job.directive.eviction
-        positions = torch.arange(evict.n_prompt, device=job.block_ids.device)
+        positions = torch.arange(evict.start, evict.n_prompt, device=job.block_ids.device)
         return job.block_ids[positions // evict.block_size].long() * evict.block_size + positions % evict.block_size
 
     def _score(self, job: Job, attention_layers: dict) -> dict[str, tuple]:
@@ -413,7 +434,7 @@ class WorkerState:
             kv_cache, impl = layer.kv_cache, layer.impl
             num_kv_heads = impl.num_kv_heads
             chunk = heads_per_chunk(
-                options, evict.n_prompt, num_kv_heads, impl.num_heads // num_kv_heads, impl.head_size,
+                options, evict.held, num_kv_heads, impl.num_heads // num_kv_heads, impl.head_size,
                 kv_cache.element_size(),
             )  # fmt: skip
 
@@ -437,7 +458,7 @@ class WorkerState:
         options, evict = job.directive.options, job.directive.eviction
         kept = {}
         for name, (base, norms) in scores.items():
-            mask = select(options, base, norms, evict.kept, evict.n_prompt)
+            mask = select(options, base, norms, evict.kept, evict.held)
             if options.head_wise:
                 boundary = evict.n_prompt // evict.block_size * evict.block_size
                 if not bool(mask[:, boundary:].all()):
@@ -478,7 +499,7 @@ class WorkerState:
                     region_keys[region] = keys.view(region.numel(), rows, keys.shape[-1])
                     region_values[region] = values.view(region.numel(), rows, values.shape[-1])
             return
-        target = slots[evict.evicted :]
+        target = slots[evict.evicted - evict.start :]
         for name, mask in kept.items():
             kv_cache = attention_layers[name].kv_cache
             for head in range(mask.shape[0]):
@@ -503,9 +524,23 @@ class WorkerState:
         return report
 
     def take_selections(self) -> dict[str, dict[str, Any]]:
-        """The recorded selections (``{request_id: {layer_name: [positions of each KV head]}}``), then forgotten."""
+        """The recorded selections (``{request_id: {layer_name: [prompt positions each KV head keeps]}}``, after the
+        request's last compaction), then forgotten."""
         selections, self.selections = self.selections, {}
         return {
             rid: {name: [positions.tolist() for positions in heads] for name, heads in layers.items()}
             for rid, layers in selections.items()
+        }
+
+    def take_stage_selections(self) -> dict[str, list[dict[str, Any]]]:
+        """The recorded selections after each compaction of every request (several with ``chunk_size``:
+        (``{request_id: [{"seen": tokens, "kept": {layer_name: [positions of each KV head]}}, ...]}``), then
+        forgotten."""
+        stages, self.stage_selections = self.stage_selections, {}
+        return {
+            rid: [
+                {"seen": seen, "kept": {name: [p.tolist() for p in heads] for name, heads in layers.items()}}
+                for seen, layers in entries
+            ]
+            for rid, entries in stages.items()
         }

@@ -51,6 +51,63 @@ def greedy_after_eviction(model, prompt_ids: list[int], kept: dict[str, list[lis
     return tokens
 
 
+@torch.no_grad()
+def greedy_after_chunked_eviction(model, prompt_ids: list[int], stages: list[dict], max_new_tokens: int):
+    """
+    Greedy tokens of ``model`` after prefilling ``prompt_ids`` in the chunks the engine compacted after, each chunk at
+    its own positions over what the earlier compactions kept: after the chunk that ends at ``stage["seen"]`` tokens,
+    each layer and KV head keeps only the prompt positions ``stage["kept"][layer_name][head]`` (the same number in
+    every head). The tokens after the last compaction are prefilled as one more chunk, then decoding continues at
+    position ``N``.
+    """
+    cache = DynamicCache()
+    held: dict[int, torch.Tensor] = {}  # layer index -> (H_kv, entries) the prompt positions the cache holds
+    done = 0
+
+    def run(first: int, end: int):
+        cached = cache.get_seq_length()
+        return model(
+            input_ids=torch.tensor([prompt_ids[first:end]]),
+            past_key_values=cache,
+            position_ids=torch.arange(first, end)[None],
+            cache_position=torch.arange(cached, cached + end - first),
+            use_cache=True,
+        )
+
+    out = None
+    for stage in stages:
+        seen = stage["seen"]
+        out = run(done, seen)
+        for name, heads in stage["kept"].items():
+            index = layer_index(name)
+            layer = cache.layers[index]
+            fresh = torch.arange(done, seen).expand(len(heads), -1)
+            positions = fresh if index not in held else torch.cat([held[index], fresh], dim=1)
+            kept = torch.tensor(heads)  # (H_kv, kept), ascending
+            rows = torch.searchsorted(positions, kept)
+            assert bool((positions.gather(1, rows) == kept).all()), "a kept position the cache does not hold"
+            gather = rows[None, :, :, None].expand(-1, -1, -1, layer.keys.shape[-1])
+            layer.keys = layer.keys.gather(2, gather).contiguous()
+            layer.values = layer.values.gather(2, gather).contiguous()
+            held[index] = kept
+        done = seen
+    n_prompt = len(prompt_ids)
+    if done < n_prompt:
+        out = run(done, n_prompt)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for step in range(max_new_tokens - 1):
+        cached = cache.get_seq_length()
+        out = model(
+            input_ids=torch.tensor([[tokens[-1]]]),
+            past_key_values=cache,
+            position_ids=torch.tensor([[n_prompt + step]]),
+            cache_position=torch.tensor([cached]),
+            use_cache=True,
+        )
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
 _DROPPED: dict[int, torch.Tensor] = {}  # layer index -> (H_kv, N) bool: the prompt entries a KV head dropped
 
 

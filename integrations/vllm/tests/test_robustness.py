@@ -60,6 +60,13 @@ BAD_OPTIONS = [
     ({"kvpress_critical.epsilon": -1}, "epsilon", "[0, 1]"),
     ({"kvpress_critical.norm": "l3"}, "norm", "'l1' or 'l2'"),
     ({"kvpress_critical.n_sink": -1}, "n_sink", "[0, 4096]"),
+    ({"kvpress_critical.chunk_size": 64}, "chunk_size", "more than window_size=64"),
+    ({"kvpress_critical.chunk_size": -1}, "chunk_size", "[0, 16777216]"),
+    (
+        {"kvpress_critical.press": "critical_adakv_snapkv", "kvpress_critical.chunk_size": 512},
+        "chunk_size",
+        "head-wise",
+    ),
     ({"kvpress_critical": "0.5"}, "kvpress_critical", "must be a dict"),
 ]
 

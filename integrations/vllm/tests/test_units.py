@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from kvpress_critical_vllm.attention import shifted_view
-from kvpress_critical_vllm.budget import eviction
+from kvpress_critical_vllm.budget import chunk_ends, eviction, schedule
 from kvpress_critical_vllm.layouts import LearnedBlockLayout, check_round_trip
 from kvpress_critical_vllm.options import CompressionOptions, OptionsError, engine_options, resolve_options
 
@@ -30,6 +30,74 @@ def test_eviction_is_inactive_when_nothing_can_be_freed():
     assert eviction(snapkv, 65, 16).active
     assert not eviction(CompressionOptions(compression_ratio=0.0), 4096, 16).active
     assert not eviction(CompressionOptions(compression_ratio=0.2), 100, 32).active  # 20 entries: no whole block
+
+
+@pytest.mark.parametrize("n_prompt", [300, 777, 1100, 2047, 5000])
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 0.75, 0.9])
+@pytest.mark.parametrize("chunk_size", [65, 128, 256, 1000])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_chunked_schedule_bounds_what_a_request_holds(n_prompt, ratio, chunk_size, block_size):
+    options = CompressionOptions(press="critical_snapkv", compression_ratio=ratio, chunk_size=chunk_size)
+    stages, reason = schedule(options, n_prompt, block_size)
+    one_shot = eviction(options, n_prompt, block_size)
+    ends = chunk_ends(options, n_prompt)
+    assert ends[-1] == n_prompt and all(b - a > options.window_size for a, b in zip([0] + ends, ends))
+    assert all(b - a == chunk_size for a, b in zip([0] + ends[:-2], ends[:-1]))  # every chunk but the last
+    if not one_shot.active:
+        assert stages == () and reason
+        return
+    assert reason == "" and stages[-1].n_prompt in ends
+    # in the end as many positions evicted as one compaction of the whole prompt evicts (a last chunk that frees no
+    # block is not compacted: the chunks before evicted them already)
+    assert stages[-1].evicted == one_shot.evicted
+    start = 0
+    for i, stage in enumerate(stages):
+        assert (stage.start, stage.index, stage.count) == (start, i + 1, len(stages))
+        assert stage.n_prompt in ends and stage.evicted % block_size == 0 and stage.evicted > stage.start
+        assert stage.budget == max(1, int(stage.n_prompt * (1 - ratio)))
+        assert stage.budget <= stage.kept < stage.budget + block_size
+        start = stage.evicted
+    # what a request holds while a chunk runs: what the compactions before left, and the chunk
+    held, previous = [], (0, 0)
+    for end in ends:
+        held.append(end - previous[1])
+        done = [s for s in stages if s.n_prompt == end]
+        if done:
+            previous = (end, done[0].evicted)
+    for end, entries in zip(ends, held):
+        before = max((s for s in stages if s.n_prompt < end), key=lambda s: s.n_prompt, default=None)
+        bound = (before.kept if before else 0) + (end - (before.n_prompt if before else 0))
+        assert entries == bound
+        if before is not None:
+            assert entries < before.budget + block_size + (end - before.n_prompt)
+
+
+def test_chunked_schedule_merges_a_last_chunk_shorter_than_the_window():
+    options = CompressionOptions(press="snapkv", compression_ratio=0.5, chunk_size=256, window_size=64)
+    assert chunk_ends(options, 256 * 3 + 64) == [256, 512, 832]
+    assert chunk_ends(options, 256 * 3 + 65) == [256, 512, 768, 833]
+    assert chunk_ends(options, 200) == [200]
+    assert chunk_ends(CompressionOptions(press="knorm", compression_ratio=0.5, chunk_size=100), 250) == [100, 200, 250]
+    # a chunk that frees no whole block is not compacted: the next one scores what it held
+    stages, _ = schedule(CompressionOptions(press="knorm", compression_ratio=0.1, chunk_size=100), 1000, 32)
+    assert [s.n_prompt for s in stages] == [400, 700, 1000]
+    assert [s.evicted for s in stages] == [32, 64, 96]
+
+
+def test_chunk_size_is_checked():
+    with pytest.raises(OptionsError, match="chunk_size=64 is not allowed: more than window_size=64"):
+        resolve_options(CompressionOptions(compression_ratio=0.5), {"kvpress_critical": {"chunk_size": 64}})
+    with pytest.raises(OptionsError, match="is not supported: the head-wise layout"):
+        resolve_options(
+            CompressionOptions(compression_ratio=0.5),
+            {"kvpress_critical": {"press": "critical_adakv_snapkv", "chunk_size": 512}},
+        )
+    for bad in (-1, 1.5, True, "512", 2**30):
+        with pytest.raises(OptionsError, match="chunk_size"):
+            engine_options({"kvpress_critical": {"compression_ratio": 0.5, "chunk_size": bad}})
+    knorm = resolve_options(CompressionOptions(compression_ratio=0.5), {"kvpress_critical.press": "knorm",
+                                                                       "kvpress_critical.chunk_size": 8})  # fmt: skip
+    assert knorm.chunk_size == 8  # no window to fill
 
 
 def test_requests_override_engine_options_nested_and_flat():
