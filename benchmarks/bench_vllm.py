@@ -3,7 +3,9 @@
 Two engines in one process, with the same fixed KV pool (``--pool-tokens``): stock vLLM, and vLLM with the plugin
 (``additional_config={"kvpress_critical": ...}``), whose requests ask for each ``--presses`` and ``--ratios`` value
 through ``SamplingParams.extra_args`` (by default the uniform ``critical_snapkv`` and the head-wise
-``critical_adakv_snapkv``, whose rows also give their ratios to the uniform press at the same ratio). Every run
+``critical_adakv_snapkv``, whose rows also give their ratios to the uniform press at the same ratio), and for each
+nonzero ``--chunk-sizes`` value the uniform presses compressed after every prompt chunk of that many tokens (rows
+``<press> <ratio> chunk <size>``, with their ratios to the same press compressed once after the prompt). Every run
 submits the same ``--requests`` requests at once (prompts of ``--min-prompt``..``--max-prompt`` tokens,
 ``--min-new``..``--max-new`` new tokens, end of sequence ignored, greedy) and steps the engine until all are done;
 runs are interleaved (stock, then each ratio and press, ``--repeats`` times) and the
@@ -57,11 +59,13 @@ def workload(ids: list[int], args, seed: int = 0) -> list[tuple[list[int], int]]
 
 def run(llm, requests, press: tuple | None, tag: str) -> dict:
     """Submit every request at once, step until all are done; what the scheduler and the clock saw. ``press``:
-    ``(name, ratio)`` of the plugin's requests (None: stock vLLM)."""
+    ``(name, ratio, chunk_size)`` of the plugin's requests (None: stock vLLM)."""
     from vllm import SamplingParams
 
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    extra = None if press is None else {"kvpress_critical": {"press": press[0], "compression_ratio": press[1]}}
+    extra = None
+    if press is not None:
+        extra = {"kvpress_critical": {"press": press[0], "compression_ratio": press[1], "chunk_size": press[2]}}
     for i, (prompt, new_tokens) in enumerate(requests):
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, extra_args=extra)
         llm.llm_engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
@@ -94,7 +98,7 @@ def run(llm, requests, press: tuple | None, tag: str) -> dict:
 
 
 HEADER = ["engine / press ratio", "peak running", "vs vLLM", "preempted", "requests/s", "output tok/s", "vs vLLM",
-          "TPOT mean ms", "TPOT p90 ms", "TTFT mean s", "vs uniform: peak, tok/s, TPOT"]  # fmt: skip
+          "TPOT mean ms", "TPOT p90 ms", "TTFT mean s", "vs uniform / prefill-only: peak, tok/s, TPOT"]  # fmt: skip
 UNIFORM = "critical_snapkv"  # the head-wise rows are compared with this press at the same ratio
 METRICS = ("peak_running", "preempted", "requests_per_s", "output_tokens_per_s", "tpot_ms_mean", "tpot_ms_p90",
            "ttft_s_mean")  # fmt: skip
@@ -117,6 +121,7 @@ def summarise(measured: dict, configs: list) -> tuple[list[dict], list[list]]:
             "config": name,
             "press": press[0] if press else "",
             "ratio": ratio or 0.0,
+            "chunk_size": press[2] if press else 0,
             **median,
             "repeats": len(measured[name]),
             "output_throughput_vs_vllm": statistics.median(
@@ -126,9 +131,10 @@ def summarise(measured: dict, configs: list) -> tuple[list[dict], list[list]]:
                 ours["peak_running"] / base["peak_running"] for ours, base in pairs
             ),
         }
-        uniform = f"{UNIFORM} {ratio}"
+        # head-wise rows against the uniform press, chunked rows against their press compressed after the prompt
+        uniform = f"{UNIFORM} {ratio}" if press is None or not press[2] else f"{press[0]} {ratio}"
         versus = ""
-        if ratio and not name.startswith(UNIFORM + " ") and uniform in measured:
+        if ratio and name != uniform and uniform in measured:
             row.update(
                 peak_running_vs_uniform=ratio_to(measured, name, uniform, "peak_running"),
                 output_throughput_vs_uniform=ratio_to(measured, name, uniform, "output_tokens_per_s"),
@@ -163,6 +169,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=os.environ.get("KVPRESS_CRITICAL_VLLM_MODEL"), help="a folder vLLM loads")
     parser.add_argument("--presses", default="critical_snapkv,critical_adakv_snapkv", help="comma-separated")
     parser.add_argument("--ratios", default="0.5,0.75")
+    parser.add_argument("--chunk-sizes", default="0", help="comma-separated chunk_size values; 0: after the prompt")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--min-prompt", type=int, default=1024)
     parser.add_argument("--max-prompt", type=int, default=2048)
@@ -197,7 +204,14 @@ def main(argv=None) -> int:
     requests = workload(text_ids(AutoTokenizer.from_pretrained(args.model)), args)
     ratios = [float(r) for r in args.ratios.split(",")]
     presses = args.presses.split(",")
-    configs = [("vLLM", stock, None)] + [(f"{press} {r}", plugin, (press, r)) for r in ratios for press in presses]
+    chunks = [int(c) for c in args.chunk_sizes.split(",")]
+    configs = [("vLLM", stock, None)] + [
+        (f"{press} {r}" + (f" chunk {c}" if c else ""), plugin, (press, r, c))
+        for r in ratios
+        for press in presses
+        for c in chunks
+        if not (c and "adakv" in press)  # head-wise presses refuse chunk_size
+    ]
     measured = {name: [] for name, _, _ in configs}
     stem = output_stem(args, "vllm")
     with tqdm(total=args.repeats * len(configs), desc="runs") as progress:

@@ -76,6 +76,19 @@ def scheduler_of(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
+def run_to_end(llm) -> tuple[dict[str, list[int]], int]:
+    """Step an in-process engine until its requests finish: the tokens of each (by request id), and the most requests
+    that ran at once."""
+    scheduler = scheduler_of(llm)
+    tokens, peak = {}, 0
+    while llm.llm_engine.has_unfinished_requests():
+        for output in llm.llm_engine.step():
+            if output.finished:
+                tokens[output.request_id] = list(output.outputs[0].token_ids)
+        peak = max(peak, len(scheduler.running))
+    return tokens, peak
+
+
 def internal_id(selections: dict, request_id: str) -> str:
     """vLLM's internal id of a request (``<request_id>-<suffix>``), as the worker and scheduler know it."""
     matches = [key for key in selections if key.rpartition("-")[0] == request_id]

@@ -22,6 +22,24 @@ def layer_index(layer_name: str) -> int:
 
 
 @torch.no_grad()
+def greedy_decode(model, cache, logits: torch.Tensor, n_prompt: int, max_new_tokens: int) -> list[int]:
+    """Greedy tokens from the prompt's last ``logits`` on, each new token at position ``n_prompt + step`` and appended
+    after what ``cache`` holds (which may be fewer entries than positions)."""
+    tokens = [int(logits[0, -1].argmax())]
+    for step in range(max_new_tokens - 1):
+        cached = cache.get_seq_length()
+        out = model(
+            input_ids=torch.tensor([[tokens[-1]]]),
+            past_key_values=cache,
+            position_ids=torch.tensor([[n_prompt + step]]),
+            cache_position=torch.tensor([cached]),
+            use_cache=True,
+        )
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+@torch.no_grad()
 def greedy_after_eviction(model, prompt_ids: list[int], kept: dict[str, list[list[int]]] | None, max_new_tokens: int):
     """
     Greedy tokens of ``model`` after prefilling ``prompt_ids`` and keeping, in each layer and KV head, only the
@@ -36,19 +54,7 @@ def greedy_after_eviction(model, prompt_ids: list[int], kept: dict[str, list[lis
             index = torch.tensor(heads)[None, :, :, None].expand(-1, -1, -1, layer.keys.shape[-1])
             layer.keys = layer.keys.gather(2, index).contiguous()
             layer.values = layer.values.gather(2, index).contiguous()
-    tokens = [int(out.logits[0, -1].argmax())]
-    n_prompt = len(prompt_ids)
-    for step in range(max_new_tokens - 1):
-        cached = cache.layers[0].keys.shape[2]
-        out = model(
-            input_ids=torch.tensor([[tokens[-1]]]),
-            past_key_values=cache,
-            position_ids=torch.tensor([[n_prompt + step]]),
-            cache_position=torch.tensor([cached]),
-            use_cache=True,
-        )
-        tokens.append(int(out.logits[0, -1].argmax()))
-    return tokens
+    return greedy_decode(model, cache, out.logits, len(prompt_ids), max_new_tokens)
 
 
 @torch.no_grad()
@@ -94,18 +100,7 @@ def greedy_after_chunked_eviction(model, prompt_ids: list[int], stages: list[dic
     n_prompt = len(prompt_ids)
     if done < n_prompt:
         out = run(done, n_prompt)
-    tokens = [int(out.logits[0, -1].argmax())]
-    for step in range(max_new_tokens - 1):
-        cached = cache.get_seq_length()
-        out = model(
-            input_ids=torch.tensor([[tokens[-1]]]),
-            past_key_values=cache,
-            position_ids=torch.tensor([[n_prompt + step]]),
-            cache_position=torch.tensor([cached]),
-            use_cache=True,
-        )
-        tokens.append(int(out.logits[0, -1].argmax()))
-    return tokens
+    return greedy_decode(model, cache, out.logits, n_prompt, max_new_tokens)
 
 
 _DROPPED: dict[int, torch.Tensor] = {}  # layer index -> (H_kv, N) bool: the prompt entries a KV head dropped

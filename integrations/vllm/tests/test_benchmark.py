@@ -12,12 +12,14 @@ pytestmark = pytest.mark.slow
 
 def test_bench_vllm_quick_writes_its_table(tmp_path):
     env = dict(os.environ, KVPRESS_CRITICAL_VLLM_MODEL=model_path())
-    command = [sys.executable, str(REPO / "benchmarks" / "bench_vllm.py"), "--quick", "--out-dir", str(tmp_path)]
+    script = REPO / "benchmarks" / "bench_vllm.py"
+    command = [sys.executable, str(script), "--quick", "--chunk-sizes", "0,128", "--out-dir", str(tmp_path)]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     table = (tmp_path / "vllm_cpu.md").read_text()
     assert "| vLLM |" in table and "| critical_snapkv 0.75 |" in table and "| critical_adakv_snapkv 0.75 |" in table
-    assert (tmp_path / "vllm_cpu.csv").read_text().count("\n") == 6  # a header and five configurations
+    assert "| critical_snapkv 0.75 chunk 128 |" in table and "| critical_adakv_snapkv 0.75 chunk" not in table
+    assert (tmp_path / "vllm_cpu.csv").read_text().count("\n") == 8  # a header and seven configurations
 
 
 def test_bench_vllm_quality_quick_writes_its_table(tmp_path):

@@ -1,7 +1,7 @@
 """Real memory: the evicted blocks go back to vLLM's pool at once, and the scheduler fills them with more requests."""
 
 import pytest
-from conftest import BLOCK_SIZE, make_llm, scheduler_of
+from conftest import BLOCK_SIZE, make_llm, run_to_end, scheduler_of
 
 pytestmark = pytest.mark.slow
 
@@ -55,10 +55,7 @@ def test_a_pool_holds_more_requests_at_once():
         )
         for i in range(20):
             llm.llm_engine.add_request(f"{ratio}-{i}", {"prompt_token_ids": ids[11 * i : 11 * i + 512]}, params)
-        peak = 0
-        while llm.llm_engine.has_unfinished_requests():
-            llm.llm_engine.step()
-            peak = max(peak, len(scheduler.running))
+        _, peak = run_to_end(llm)
         peaks[ratio] = peak
     print("peak requests at once:", peaks)
     # ideally 1 / (1 - r) = 4x; the 32 new tokens are not compressed and the next prompt is admitted whole

@@ -14,10 +14,10 @@ tokens and compacted after each one. Checked:
 """
 
 import pytest
-from conftest import BLOCK_SIZE, NEW_TOKENS, engine_kwargs, internal_id, make_llm, model_path, scheduler_of
+from conftest import BLOCK_SIZE, NEW_TOKENS, engine_kwargs, internal_id, make_llm, model_path, run_to_end, scheduler_of
 from reference import greedy_after_chunked_eviction, load_reference_model
 from test_engine_features import engine_process
-from test_selection import press_selections
+from test_selection import compare_selections, press_selections
 
 pytestmark = pytest.mark.slow
 
@@ -79,21 +79,12 @@ def test_plugin_keeps_what_chunked_prefill_press_keeps(chunked_batch):
         requests.append({**defaults, "press": press, "prompt_ids": prompt, "compression_ratio": 0.5,
                          "chunk_size": CHUNK, "kept_after": kept_after})  # fmt: skip
     reference = press_selections(requests)
-    report, agreement = [], {}
-    for press, prompt, request_stages, expected in zip(CHUNKED, prompts, stages, reference):
+    plugin = []
+    for prompt, request_stages in zip(prompts, stages):
         # the prompt's tokens after the last compaction (a last chunk that freed no block) are all kept
         tail = list(range(request_stages[-1]["seen"], len(prompt)))
-        kept = {name: [heads + tail for heads in layer] for name, layer in request_stages[-1]["kept"].items()}
-        identical = heads_total = common = entries = 0
-        for name, heads in kept.items():
-            layer = name.split(".")[2]
-            for head, positions in enumerate(heads):
-                heads_total += 1
-                identical += positions == expected[layer][head]
-                common += len(set(positions) & set(expected[layer][head]))
-                entries += len(positions)
-        agreement[press] = common / entries
-        report.append(f"{press}: {identical}/{heads_total} identical heads, {common}/{entries} entries")
+        plugin.append({name: [heads + tail for heads in layer] for name, layer in request_stages[-1]["kept"].items()})
+    report, agreement = compare_selections(CHUNKED, plugin, reference)
     print("plugin vs ChunkedPrefillPress:", "; ".join(report))
     # a near-tie swapped by float rounding in one chunk changes what later chunks score, so the bar is lower than
     # for one compaction (99.9 %)
@@ -134,9 +125,9 @@ def test_a_request_never_holds_more_than_the_schedules_bound(engine, prompt_ids)
     bound = -(-(budget + BLOCK_SIZE - 1 + CHUNK) // BLOCK_SIZE) + 1  # budget, one chunk, block rounding
     # the most it holds is during a compacting step, before that step's blocks go back (a trace after each step
     # sees the freed state): what admission reserves
-    reserved = blocks_held_at_most(plan, len(prompt), BLOCK_SIZE)
-    print(f"blocks: traced peak {prefill_peak}, reserved {reserved}, bound {bound}, whole prompt {-(-len(prompt) // BLOCK_SIZE)}")
-    assert prefill_peak <= reserved <= bound < -(-len(prompt) // BLOCK_SIZE)
+    reserved, whole = blocks_held_at_most(plan, len(prompt), BLOCK_SIZE), -(-len(prompt) // BLOCK_SIZE)
+    print(f"blocks: traced peak {prefill_peak}, reserved {reserved}, bound {bound}, whole prompt {whole}")
+    assert prefill_peak <= reserved <= bound < whole
     assert scheduler.kvpress_records[request_id].compactions == len(plan)
 
 
@@ -162,10 +153,7 @@ def test_a_pool_runs_prompts_it_could_not_hold_whole():
         )
         for i in range(2):
             llm.llm_engine.add_request(f"{chunk_size}-{i}", {"prompt_token_ids": ids[20 * i : 20 * i + 1900]}, params)
-        peak = 0
-        while llm.llm_engine.has_unfinished_requests():
-            llm.llm_engine.step()
-            peak = max(peak, len(scheduler.running))
+        _, peak = run_to_end(llm)
         peaks[chunk_size] = peak
     print("requests at once (chunk_size: peak):", peaks)
     assert peaks == {0: 1, CHUNK: 2}
@@ -185,11 +173,7 @@ def test_preempted_chunked_request_is_compressed_again_and_gives_the_same_tokens
     scheduler = scheduler_of(llm)
     for i, prompt in enumerate(prompts):
         llm.llm_engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params)
-    tokens = {}
-    while llm.llm_engine.has_unfinished_requests():
-        for output in llm.llm_engine.step():
-            if output.finished:
-                tokens[output.request_id] = list(output.outputs[0].token_ids)
+    tokens, _ = run_to_end(llm)
     records = scheduler.kvpress_records
     assert any(r.preemptions > 0 for r in records.values()), "the pool was meant to force a preemption"
     plan = plan_of("critical_snapkv", 600)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import NEW_TOKENS, PRESSES, engine_kwargs, internal_id, make_llm, scheduler_of
+from conftest import NEW_TOKENS, PRESSES, engine_kwargs, internal_id, make_llm, run_to_end, scheduler_of
 
 pytestmark = pytest.mark.slow
 
@@ -97,11 +97,7 @@ def test_preempted_request_is_compressed_again_and_gives_the_same_tokens(engine,
     scheduler = scheduler_of(llm)
     for i, prompt in enumerate(prompts):
         llm.llm_engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params)
-    tokens = {}
-    while llm.llm_engine.has_unfinished_requests():
-        for output in llm.llm_engine.step():
-            if output.finished:
-                tokens[output.request_id] = list(output.outputs[0].token_ids)
+    tokens, _ = run_to_end(llm)
     records = scheduler.kvpress_records
     preempted = [r for r in records.values() if r.preemptions > 0]
     assert preempted, "the pool was meant to force a preemption"

@@ -13,7 +13,7 @@ One batch of the session's engine, every request with a head-wise press (per req
 """
 
 import pytest
-from conftest import NEW_TOKENS, internal_id, make_llm, model_path, scheduler_of
+from conftest import NEW_TOKENS, internal_id, make_llm, model_path, run_to_end, scheduler_of
 from reference import greedy_after_eviction, greedy_with_head_masks, load_reference_model
 from test_selection import press_selections
 
@@ -126,17 +126,13 @@ def test_a_pool_holds_as_many_head_wise_requests_as_uniform_ones():
         kv_cache_memory_bytes=97 * BLOCK_SIZE * token_bytes,
         max_model_len=1024,
     )
-    scheduler = scheduler_of(llm)
     ids = AutoTokenizer.from_pretrained(model_path())((REPO / "LICENSE").read_text())["input_ids"]
     peaks = {}
     for press in ("critical_snapkv", "critical_adakv_snapkv"):
         params = SamplingParams(max_tokens=32, ignore_eos=True, extra_args={"kvpress_critical": {"press": press}})
         for i in range(16):
             llm.llm_engine.add_request(f"{press}-{i}", {"prompt_token_ids": ids[11 * i : 11 * i + 512]}, params)
-        peak = 0
-        while llm.llm_engine.has_unfinished_requests():
-            llm.llm_engine.step()
-            peak = max(peak, len(scheduler.running))
+        _, peak = run_to_end(llm)
         peaks[press] = peak
     print("peak requests at once:", peaks)
     assert abs(peaks["critical_adakv_snapkv"] - peaks["critical_snapkv"]) <= 1, peaks
@@ -213,11 +209,7 @@ def test_a_preempted_head_wise_request_is_compressed_again(engine, prompt_ids):
     )
     for i, prompt in enumerate(prompts):
         llm.llm_engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params)
-    tokens = {}
-    while llm.llm_engine.has_unfinished_requests():
-        for output in llm.llm_engine.step():
-            if output.finished:
-                tokens[output.request_id] = list(output.outputs[0].token_ids)
+    tokens, _ = run_to_end(llm)
     records = scheduler_of(llm).kvpress_records
     assert any(r.preemptions > 0 for r in records.values()), "the pool was meant to force a preemption"
     assert [tokens[f"p{i}"] for i in range(3)] == expected

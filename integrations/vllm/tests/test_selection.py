@@ -36,6 +36,25 @@ def press_selections(requests: list[dict]) -> list[dict]:
     return json.loads(run.stdout)
 
 
+def compare_selections(presses, plugin: list[dict], reference: list[dict]) -> tuple[list[str], dict[str, float]]:
+    """Per press: a line of identical (layer, head) selections and shared entries, and the fraction of the plugin's
+    kept entries the reference keeps too (``plugin``: ``{layer_name: heads}``; ``reference``: ``{layer_index:
+    heads}``)."""
+    report, agreement = [], {}
+    for press, kept, expected in zip(presses, plugin, reference):
+        identical = heads_total = common = entries = 0
+        for name, heads in kept.items():
+            layer = name.split(".")[2]
+            for head, positions in enumerate(heads):
+                heads_total += 1
+                identical += positions == expected[layer][head]
+                common += len(set(positions) & set(expected[layer][head]))
+                entries += len(positions)
+        agreement[press] = common / entries
+        report.append(f"{press}: {identical}/{heads_total} identical heads, {common}/{entries} entries")
+    return report, agreement
+
+
 def test_plugin_keeps_what_the_transformers_presses_keep(batch):
     from kvpress_critical_vllm.options import CompressionOptions
 
@@ -48,17 +67,6 @@ def test_plugin_keeps_what_the_transformers_presses_keep(batch):
         n_kept = len(next(iter(kept.values()))[0])
         requests.append({**defaults, "press": press, "prompt_ids": prompt, "n_kept": n_kept})
     reference = press_selections(requests)
-    report, agreement = [], {}
-    for press, kept, expected in zip(PRESSES, plugin, reference):
-        identical = heads_total = common = entries = 0
-        for name, heads in kept.items():
-            layer = name.split(".")[2]
-            for head, positions in enumerate(heads):
-                heads_total += 1
-                identical += positions == expected[layer][head]
-                common += len(set(positions) & set(expected[layer][head]))
-                entries += len(positions)
-        agreement[press] = common / entries
-        report.append(f"{press}: {identical}/{heads_total} identical heads, {common}/{entries} entries")
+    report, agreement = compare_selections(PRESSES, plugin, reference)
     print("plugin vs transformers presses:", "; ".join(report))
     assert all(value >= 0.999 for value in agreement.values()), report
