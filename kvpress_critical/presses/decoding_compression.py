@@ -99,22 +99,29 @@ class DecodingCompressor:
             step_kwargs["position_embeddings"] = self.rotary(hidden, positions.to(hidden.device))
         attentions = output[1] if isinstance(output, tuple) and len(output) > 1 else None
         layer = LayerInput(module, hidden, view.keys, view.values, attentions, step_kwargs, view.excluded)
-        layout.keep(keep_mask(self.press, layer, target))
+        keep = keep_mask(self.press, layer, target)
+        layout.keep(keep)
         layer = cache.layers[idx]
         if isinstance(layer, CompactLayer):
             layer.compressed_while_decoding = True
         self.compressions[idx] += 1
+        self.kept(module, kwargs, keep)
+
+    def kept(self, module: nn.Module, kwargs: dict, keep: torch.Tensor) -> None:
+        """Called after each compression with the ``(B, H_kv, T)`` mask of what the layer kept of its ``T`` entries
+        (a subclass may record it); nothing by default."""
 
 
 @contextmanager
-def decoding_compression(model: nn.Module, schedule: DecodingPress):
+def decoding_compression(model: nn.Module, schedule: DecodingPress, compressor: DecodingCompressor | None = None):
     """
     Inside the block, every attention layer of ``model`` is compressed during decoding on ``schedule``'s terms, in
     whatever layout its cache has (compact layers compact, dense ones pruned by a pruning base press, masked by a
-    head-wise one). Yields the :class:`DecodingCompressor`.
+    head-wise one). Yields the :class:`DecodingCompressor` (``compressor``, a subclass's instance built for ``schedule``
+    and ``model``, when given).
     """
     schedule.base_press.post_init_from_model(model)
-    compressor = DecodingCompressor(schedule, model)
+    compressor = compressor if compressor is not None else DecodingCompressor(schedule, model)
     modules = [m for m in hooked_attention_modules(model) if not is_sliding_layer(m)]
 
     def hook(module, args, kwargs, output):

@@ -8,6 +8,12 @@ Without ``chunk_size`` a request is compacted once, after its prompt (:func:`evi
 prompt is prefilled in chunks and compacted after each one (:func:`schedule`): after the chunk that ends at position
 ``P``, what it holds (positions ``S .. P-1``: the entries kept so far and the chunk) is compacted to what
 ``ChunkedPrefillPress`` keeps for ``P`` tokens seen, ``max(1, int(P * (1 - ratio)))``, rounded up to whole blocks.
+
+With ``compression_interval`` and ``target_size`` a request is also compacted while decoding (kvpress's
+``DecodingPress``): after every ``compression_interval`` generated tokens, at ``T = P + k * interval`` tokens seen,
+what it holds goes back to ``target_size`` entries per head, rounded up to whole blocks (:func:`decoding_eviction`);
+an interval that frees no whole block is not compacted. These compactions depend only on the prompt's length and the
+options, so :class:`Schedule` lists them as far as a request goes.
 """
 
 from __future__ import annotations
@@ -21,19 +27,19 @@ from kvpress_critical_vllm.options import CompressionOptions
 @dataclass(frozen=True)
 class Eviction:
     """
-    One compaction of a request, after the step whose tokens end at position ``n_prompt`` (the prompt's end, or a
-    chunk's end with ``chunk_size``).
+    One compaction of a request, after the step whose tokens end at position ``seen`` (the prompt's end, a chunk's end
+    with ``chunk_size``, or the end of a decoding interval: ``phase`` is ``"prompt"`` or ``"decoding"``).
 
-    Before it, the request holds positions ``start .. n_prompt - 1`` (``start`` positions were evicted by its earlier
-    compactions: 0 for the first). ``budget`` is what the transformers press keeps for ``n_prompt`` tokens seen
-    (kvpress's ``max(1, int(N * (1 - ratio)))``); the plugin evicts the largest whole number of blocks that leaves at
-    least that, ``evicted = start + floor((N - start - budget) / bs) * bs`` (counted from position 0), so every head
-    keeps ``kept = N - evicted`` entries: between ``budget`` and ``budget + bs - 1``. ``reason`` says why nothing is
-    evicted when ``evicted`` is ``start``. ``index`` and ``count`` number the request's compactions (1 of 1 without
-    ``chunk_size``).
+    Before it, the request holds positions ``start .. seen - 1`` (``start`` positions were evicted by its earlier
+    compactions: 0 for the first). ``budget`` is what the transformers press keeps for ``seen`` tokens (kvpress's
+    ``max(1, int(N * (1 - ratio)))`` for a prompt, ``target_size`` while decoding); the plugin evicts the largest whole
+    number of blocks that leaves at least that, ``evicted = start + floor((N - start - budget) / bs) * bs`` (counted
+    from position 0), so every head keeps ``kept = N - evicted`` entries: between ``budget`` and ``budget + bs - 1``.
+    ``reason`` says why nothing is evicted when ``evicted`` is ``start``. ``index`` and ``count`` number the request's
+    prompt compactions (1 of 1 without ``chunk_size``), ``index`` alone its decoding ones (``count`` 0).
     """
 
-    n_prompt: int
+    seen: int
     budget: int
     evicted: int
     block_size: int
@@ -41,15 +47,16 @@ class Eviction:
     start: int = 0
     index: int = 1
     count: int = 1
+    phase: str = "prompt"
 
     @property
     def kept(self) -> int:
-        return self.n_prompt - self.evicted
+        return self.seen - self.evicted
 
     @property
     def held(self) -> int:
         """Entries per head before this compaction (the ones it scores)."""
-        return self.n_prompt - self.start
+        return self.seen - self.start
 
     @property
     def blocks_freed(self) -> int:
@@ -81,9 +88,22 @@ def eviction(options: CompressionOptions, n_prompt: int, block_size: int, start:
             "block_size frees more)"
         )
     evicted = start if reason else start + (n_prompt - start - budget) // block_size * block_size
+    return Eviction(seen=n_prompt, budget=budget, evicted=evicted, block_size=block_size, reason=reason, start=start)
+
+
+def decoding_eviction(options: CompressionOptions, seen: int, block_size: int, start: int, index: int) -> Eviction:
+    """
+    The :class:`Eviction` of a decoding interval that ends at ``seen`` tokens of a request holding positions
+    ``start ..``: back to ``target_size`` entries per head, rounded up to whole blocks; inactive when that frees no
+    whole block (kvpress's ``DecodingPress`` leaves a layer at or under its target as it is).
+    """
+    budget = options.target_size
+    free = (seen - start - budget) // block_size * block_size if seen - start - budget >= block_size else 0
+    reason = "" if free else f"it holds {seen - start} entries per head, less than one block over target_size {budget}"
     return Eviction(
-        n_prompt=n_prompt, budget=budget, evicted=evicted, block_size=block_size, reason=reason, start=start
-    )
+        seen=seen, budget=budget, evicted=start + free, block_size=block_size, reason=reason, start=start,
+        index=index, count=0, phase="decoding",
+    )  # fmt: skip
 
 
 def chunk_ends(options: CompressionOptions, n_prompt: int) -> list[int]:
@@ -136,6 +156,56 @@ def blocks_held_at_most(stages: tuple[Eviction, ...], n_tokens: int, block_size:
     """
     peak, evicted = 0, 0
     for stage in stages:
-        peak = max(peak, -(-stage.n_prompt // block_size) - evicted // block_size)
+        peak = max(peak, -(-stage.seen // block_size) - evicted // block_size)
         evicted = stage.evicted
     return max(peak, -(-n_tokens // block_size) - evicted // block_size)
+
+
+class Schedule:
+    """
+    Every compaction of one request, in order: its prompt's (:func:`schedule`) and, with ``compression_interval``,
+    its decoding ones (:func:`decoding_eviction`), listed as far as the request goes (:meth:`upto`).
+    """
+
+    def __init__(self, options: CompressionOptions, n_prompt: int, block_size: int):
+        self.options, self.n_prompt, self.block_size = options, n_prompt, block_size
+        prompt, self.reason = schedule(options, n_prompt, block_size)
+        self.prompt_stages = len(prompt)
+        self.stages: list[Eviction] = list(prompt)
+        self._next_point = n_prompt + options.compression_interval  # the next decoding interval's end
+        self._evicted = prompt[-1].evicted if prompt else 0
+
+    @property
+    def empty(self) -> bool:
+        """Whether the request is never compacted (no prompt compaction, no compression while decoding)."""
+        return not self.stages and not self.options.decoding
+
+    def stage(self, index: int, limit: int) -> Eviction | None:
+        """The ``index``-th compaction (from 0), if it comes after at most ``limit`` tokens seen."""
+        self._extend(limit)
+        return self.stages[index] if index < len(self.stages) and self.stages[index].seen <= limit else None
+
+    def upto(self, seen: int) -> list[Eviction]:
+        """The compactions after at most ``seen`` tokens (decoding ones listed up to there)."""
+        self._extend(seen)
+        return [stage for stage in self.stages if stage.seen <= seen]
+
+    def after(self, computed: int, limit: int) -> Eviction | None:
+        """The first compaction after ``computed`` tokens, looking no further than ``limit`` tokens seen."""
+        self._extend(limit)
+        return next((stage for stage in self.stages if stage.seen > computed), None)
+
+    def _extend(self, seen: int) -> None:
+        interval = self.options.compression_interval
+        while interval and self._next_point <= seen:
+            plan = decoding_eviction(
+                self.options,
+                self._next_point,
+                self.block_size,
+                self._evicted,
+                len(self.stages) - self.prompt_stages + 1,
+            )
+            if plan.active:
+                self.stages.append(plan)
+                self._evicted = plan.evicted
+            self._next_point += interval

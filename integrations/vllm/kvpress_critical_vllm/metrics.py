@@ -11,7 +11,8 @@ Exposed (labels: ``model_name``):
 
 - ``vllm:kvpress_critical_requests_compressed_total``, ``vllm:kvpress_critical_prompt_tokens_compressed_total``,
   ``vllm:kvpress_critical_entries_kept_total`` (kept entries over all layers and KV heads),
-  ``vllm:kvpress_critical_blocks_freed_total``;
+  ``vllm:kvpress_critical_blocks_freed_total``, ``vllm:kvpress_critical_compactions_total`` and, among them,
+  ``vllm:kvpress_critical_decoding_compactions_total`` (compression while decoding);
 - ``vllm:kvpress_critical_requests_uncompressed_total`` (label ``reason``: ``ratio_zero``, ``short_prompt``,
   ``streaming_input``, ``invalid_options``, ``not_compacted``);
 - gauges ``vllm:kvpress_critical_scheduler_tracked_requests`` and ``vllm:kvpress_critical_worker_tracked_requests``:
@@ -39,6 +40,7 @@ COUNTERS = {
     "entries_kept": "KV entries the compressed requests kept, over all layers and KV heads.",
     "blocks_freed": "KV blocks the plugin returned to vLLM's pool.",
     "compactions": "Compactions of a request's KV cache (one per request, or one per prompt chunk with chunk_size).",
+    "decoding_compactions": "Compactions while decoding (compression_interval), among compactions.",
 }
 GAUGES = {
     "scheduler_tracked_requests": "Requests the plugin's scheduler keeps state for.",
@@ -75,9 +77,18 @@ class MetricsWriter:
         self.gauges = {name: 0 for name in GAUGES}
         self._dirty, self._written_at = True, 0.0
 
-    def compressed(self, prompt_tokens: int, entries_kept: int, blocks_freed: int, request_done: bool = True) -> None:
-        """One compaction; ``request_done`` for a request's last (the request counts as compressed then)."""
+    def compressed(
+        self,
+        prompt_tokens: int,
+        entries_kept: int,
+        blocks_freed: int,
+        request_done: bool = True,
+        decoding: bool = False,
+    ) -> None:
+        """One compaction (``decoding``: while decoding); ``request_done`` for the one a request counts as compressed
+        at (its prompt's last, or its first while decoding)."""
         self.counters["compactions"] += 1
+        self.counters["decoding_compactions"] += int(decoding)
         self.counters["requests_compressed"] += int(request_done)
         self.counters["prompt_tokens_compressed"] += prompt_tokens
         self.counters["entries_kept"] += entries_kept

@@ -82,6 +82,8 @@ REQUEST_OPTIONS = (
     "n_sink",
     "alpha_safeguard",
     "chunk_size",
+    "compression_interval",
+    "target_size",
 )
 ENGINE_ONLY = ("backend", "attention_backend", "record_selections", "max_window_size", "max_kernel_size")
 ATTENTION_BACKENDS = ("auto", "torch", "cpp", "triton")
@@ -134,6 +136,12 @@ class CompressionOptions:
         ``chunk_size`` tokens and compress after each one, to what ``ChunkedPrefillPress`` keeps for the tokens seen
         so far (rounded up to whole blocks), so that a request never holds more than its budget, one chunk and a
         block per KV head; must exceed ``window_size`` for SnapKV-based presses; uniform presses only.
+    compression_interval, target_size : int
+        Compression while decoding (kvpress's ``DecodingPress``): every ``compression_interval`` generated tokens,
+        each KV head goes back to ``target_size`` entries (rounded up to whole blocks), scored with the last
+        ``window_size`` generated tokens' queries for SnapKV-based presses (``compression_interval`` must exceed
+        ``window_size``). Both 0 (the default): no compression while decoding. Alone (``compression_ratio`` 0) or
+        after the prompt's compression; uniform presses only.
     backend : str
         Engine-wide only: backend of :func:`kvpress_critical.projected_value_norm` (``auto``, ``torch``, ``cpp``,
         ``cuda``, ``triton``), checked on the engine's device at start-up.
@@ -157,6 +165,8 @@ class CompressionOptions:
     n_sink: int = 4
     alpha_safeguard: float = 0.20
     chunk_size: int = 0
+    compression_interval: int = 0
+    target_size: int = 0
     backend: str = "auto"
     attention_backend: str = "auto"
     record_selections: bool = False
@@ -181,6 +191,16 @@ class CompressionOptions:
     def head_wise(self) -> bool:
         """Whether a layer's KV heads share its budget (AdaKV), each keeping its own number of entries."""
         return self.spec.head_wise
+
+    @property
+    def decoding(self) -> bool:
+        """Whether the cache is compressed while decoding (``compression_interval`` and ``target_size`` set)."""
+        return self.compression_interval > 0
+
+    @property
+    def compresses(self) -> bool:
+        """Whether the request is compressed at all (its prompt, or while decoding)."""
+        return self.compression_ratio > 0 or self.decoding
 
     @property
     def needs_queries(self) -> bool:
@@ -259,6 +279,31 @@ def check_options(options: CompressionOptions, where: str, engine: CompressionOp
             "layout packs a request's kept entries once, after its whole prompt. Use a uniform press (critical_snapkv, "
             "snapkv...) with chunk_size, or chunk_size=0",
             option="chunk_size",
+        )
+    for name in ("compression_interval", "target_size"):
+        if not _is_integer(getattr(options, name)) or not 0 <= getattr(options, name) <= CHUNK_LIMIT:
+            raise fail(name, f"an integer in [0, {CHUNK_LIMIT}] (0 with the other: no compression while decoding)")
+    if bool(options.compression_interval) != bool(options.target_size):
+        missing = "target_size" if options.compression_interval else "compression_interval"
+        raise OptionsError(
+            f"{where}: compression while decoding needs both compression_interval and target_size; {missing} is "
+            f"not set. Set {missing} too (or both to 0 for no compression while decoding)",
+            option=missing,
+        )
+    if options.decoding and options.needs_queries and options.compression_interval <= options.window_size:
+        raise fail(
+            "compression_interval",
+            f"more than window_size={options.window_size} (the last generated tokens of each interval are SnapKV's "
+            "observation window)",
+        )
+    if options.decoding and options.base == "streaming_llm" and options.target_size <= options.n_sink:
+        raise fail("target_size", f"more than n_sink={options.n_sink} (StreamingLLM keeps its sinks and recent tokens)")
+    if options.head_wise and options.decoding:
+        raise OptionsError(
+            f"{where}: press={options.press!r} with compression_interval={options.compression_interval} is not "
+            "supported: the head-wise layout packs a request's kept entries once, after its whole prompt. Use a "
+            "uniform press (critical_snapkv, snapkv...) to compress while decoding, or compression_interval=0",
+            option="compression_interval",
         )
     if options.norm not in ("l1", "l2"):
         raise fail("norm", "'l1' or 'l2'")

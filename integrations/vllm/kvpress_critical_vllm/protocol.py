@@ -22,7 +22,7 @@ REPORT_ATTRIBUTE = "kvpress_critical_report"
 
 @dataclass(frozen=True)
 class Compact:
-    """Compact ``request_id`` after this step, whose scheduled tokens end exactly at ``eviction.n_prompt``."""
+    """Compact ``request_id`` after this step, whose scheduled tokens end exactly at ``eviction.seen``."""
 
     request_id: str
     options: CompressionOptions

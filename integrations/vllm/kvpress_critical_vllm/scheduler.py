@@ -28,7 +28,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request, RequestStatus
 
-from kvpress_critical_vllm.budget import Eviction, blocks_held_at_most, schedule
+from kvpress_critical_vllm.budget import Eviction, Schedule, blocks_held_at_most
 from kvpress_critical_vllm.engine_config import EngineConfigError
 from kvpress_critical_vllm.metrics import MetricsWriter
 from kvpress_critical_vllm.options import CompressionOptions, OptionsError, engine_options, resolve_options
@@ -47,7 +47,7 @@ class CompressionRecord:
     request_id: str
     press: str
     compression_ratio: float
-    prompt_tokens: int  # tokens seen when it was compacted (the prompt's, or its chunks' so far with chunk_size)
+    prompt_tokens: int  # tokens seen when it was last compacted (the prompt's, its chunks' so far, or while decoding)
     kept_per_head: int  # on average over the KV heads (every head's count with a uniform press)
     kept_min: int  # the fewest entries a KV head of some layer keeps
     kept_max: int  # the most
@@ -55,7 +55,8 @@ class CompressionRecord:
     blocks_before: int  # blocks it held before the latest one
     preemptions: int
     compaction: int = 1  # the latest compaction of the request ...
-    compactions: int = 1  # ... of this many (one per prompt chunk with chunk_size)
+    compactions: int = 1  # ... of this many (one per prompt chunk with chunk_size); 0 while decoding (open-ended)
+    phase: str = "prompt"  # of the latest compaction: "prompt" or "decoding"
 
 
 class BoundedRecords(OrderedDict):
@@ -77,15 +78,11 @@ class Tracked:
     """The plugin's view of one request, from its arrival to its end."""
 
     options: CompressionOptions
-    stages: tuple[Eviction, ...]  # its compactions, in order (one without chunk_size)
+    schedule: Schedule  # its compactions, in order: its prompt's, then (compression while decoding) its decoding ones
     life: int = 0  # the request's num_preemptions the two counts below are for (a preempted request starts over)
     directed: int = 0  # compactions sent to the workers in this life
     confirmed: int = 0  # ... and confirmed by them
-
-    @property
-    def eviction(self) -> Eviction:
-        """The last compaction (the whole prompt's)."""
-        return self.stages[-1]
+    counted: bool = False  # in requests_compressed_total already
 
     def live(self, preemptions: int) -> "Tracked":
         """Start the counts over when the request was preempted since they were last set."""
@@ -93,9 +90,11 @@ class Tracked:
             self.life, self.directed, self.confirmed = preemptions, 0, 0
         return self
 
-    def next_end(self, computed: int) -> int | None:
-        """The first compaction position after ``computed`` tokens (where a step's tokens of the request stop)."""
-        return next((stage.n_prompt for stage in self.stages if stage.n_prompt > computed), None)
+    def next_end(self, computed: int, limit: int) -> int | None:
+        """The first compaction position after ``computed`` tokens, up to ``limit`` (where a step's tokens of the
+        request stop)."""
+        stage = self.schedule.after(computed, limit)
+        return stage.seen if stage is not None else None
 
 
 class CompressingSchedulerMixin:
@@ -158,16 +157,21 @@ class CompressingSchedulerMixin:
             self._leave_uncompressed(request_id, f"its options are invalid ({error})", "invalid_options")
             return
         if request.resumable:
-            if options.compression_ratio > 0:
+            if options.compresses:
                 why = "its prompt can still grow (streaming input), and the plugin compresses a whole prompt"
                 self._leave_uncompressed(request_id, why, "streaming_input")
             return
-        stages, reason = schedule(options, request.num_prompt_tokens, self.kvpress_block_size)
-        if not stages:
-            kind = "ratio_zero" if options.compression_ratio == 0 else "short_prompt"
-            self._leave_uncompressed(request_id, reason, kind)
+        plan = Schedule(options, request.num_prompt_tokens, self.kvpress_block_size)
+        if plan.empty:
+            kind = "ratio_zero" if not options.compresses else "short_prompt"
+            self._leave_uncompressed(request_id, plan.reason, kind)
             return
-        self._kvpress[request_id] = Tracked(options, stages)
+        if plan.reason and options.compression_ratio > 0:  # compressed while decoding only
+            logger.info(
+                "kvpress_critical: request %s: its prompt stays whole (%s); it is compressed while decoding",
+                request_id, plan.reason,
+            )  # fmt: skip
+        self._kvpress[request_id] = Tracked(options, plan)
         self.kvpress_metrics.tracked(len(self._kvpress), self._kvpress_worker_tracked)
 
     def _forget(self, request_id: str) -> None:
@@ -195,20 +199,21 @@ class CompressingSchedulerMixin:
                 continue
             request = self.requests[request_id]
             tracked.live(request.num_preemptions)
-            if tracked.directed == len(tracked.stages):
-                continue  # compacted in this life of the request, or about to be
-            plan = tracked.stages[tracked.directed]
             end = request.num_computed_tokens  # already advanced past this step's tokens
             start = end - scheduled
-            if end == plan.n_prompt:
+            window = tracked.options.window_size if tracked.options.needs_queries else 0
+            plan = tracked.schedule.stage(tracked.directed, end + window)
+            if plan is None:
+                continue  # compacted in this life of the request as far as it goes, or about to be
+            if end == plan.seen:
                 tracked.directed += 1
                 directives.compact[request_id] = Compact(request_id, tracked.options, plan)
-            elif start < plan.n_prompt < end:  # the scheduler's chunks stop at each compaction: never expected
+            elif start < plan.seen < end:  # the scheduler's chunks stop at each compaction: never expected
                 self._forget(request_id)
                 self._leave_uncompressed(
-                    request_id, f"a step ran past its compaction at {plan.n_prompt} ({start}..{end - 1})"
+                    request_id, f"a step ran past its compaction at {plan.seen} ({start}..{end - 1})"
                 )
-            elif tracked.options.needs_queries and plan.n_prompt - tracked.options.window_size < end < plan.n_prompt:
+            elif tracked.options.needs_queries and plan.seen - tracked.options.window_size < end < plan.seen:
                 directives.save_queries[request_id] = tracked.options.window_size
         return directives
 
@@ -217,11 +222,11 @@ class CompressingSchedulerMixin:
         tracked = self._kvpress.get(request.request_id)
         if num_computed_tokens == 0 and request.status is not RequestStatus.RUNNING:
             num_new_tokens = self._admit(request, tracked, num_new_tokens)
-        stop = tracked.next_end(num_computed_tokens) if tracked is not None else None
+        stop = tracked.next_end(num_computed_tokens, request.num_tokens) if tracked is not None else None
         if stop is not None and stop < num_computed_tokens + num_new_tokens:
             # the step stops where the next compaction is (after a prompt chunk with chunk_size; a resumed request,
-            # which recomputes prompt + output, after its prompt, to attend over the compressed cache for the
-            # outputs as it did before it was preempted)
+            # which recomputes prompt + output, after its prompt and each decoding compaction, to attend over the
+            # compressed cache for the outputs as it did before it was preempted)
             num_new_tokens = stop - num_computed_tokens
         return num_new_tokens
 
@@ -229,15 +234,17 @@ class CompressingSchedulerMixin:
         """
         Admission of a waiting (or preempted) request, called just before vLLM allocates its first blocks: vLLM admits
         a request only when its whole sequence fits in the free blocks (``scheduler_reserve_full_isl``); a request
-        compacted after every prompt chunk is admitted when what it holds at most fits
+        compacted after every prompt chunk, or while decoding (a preempted one recomputes its outputs with the same
+        compactions), is admitted when what it holds at most fits
         (:func:`~kvpress_critical_vllm.budget.blocks_held_at_most`), and vLLM's whole-sequence check is skipped for
         it alone (the flag is read by the allocation that follows this call).
         """
-        chunked = tracked is not None and tracked.options.chunk_size > 0
-        self.scheduler_reserve_full_isl = self._kvpress_reserve_full_isl and not chunked
-        if not chunked or not self._kvpress_reserve_full_isl:
+        bounded = tracked is not None and (tracked.options.chunk_size > 0 or tracked.options.decoding)
+        self.scheduler_reserve_full_isl = self._kvpress_reserve_full_isl and not bounded
+        if not bounded or not self._kvpress_reserve_full_isl:
             return num_new_tokens
-        needed = blocks_held_at_most(tracked.stages, request.num_tokens, self.kvpress_block_size)
+        stages = tracked.schedule.upto(request.num_tokens)
+        needed = blocks_held_at_most(stages, request.num_tokens, self.kvpress_block_size)
         if needed > self.kv_cache_manager.block_pool.get_num_free_blocks():
             return 0  # vLLM then stops admitting, as when a request's blocks cannot be allocated
         return num_new_tokens
@@ -321,7 +328,7 @@ class CompressingSchedulerMixin:
             request_id=request.request_id,
             press=options.press,
             compression_ratio=options.compression_ratio,
-            prompt_tokens=plan.n_prompt,
+            prompt_tokens=plan.seen,
             kept_per_head=plan.kept,
             kept_min=done.kept_min,
             kept_max=done.kept_max,
@@ -330,28 +337,35 @@ class CompressingSchedulerMixin:
             preemptions=request.num_preemptions,
             compaction=plan.index,
             compactions=plan.count,
+            phase=plan.phase,
         )
         self.kvpress_records[request.request_id] = record
-        last = plan.index == plan.count
+        decoding = plan.phase == "decoding"
+        last = plan.index == plan.count  # the prompt's last compaction
+        first = not tracked.counted  # a request is counted once: at its prompt's last compaction, or its first
+        tracked.counted = tracked.counted or last or decoding
         self.kvpress_metrics.compressed(
-            prompt_tokens=plan.n_prompt if last else 0,
+            prompt_tokens=plan.seen if last else 0,
             entries_kept=plan.kept * self._kvpress_kv_heads * self._kvpress_layers if last else 0,
             blocks_freed=plan.blocks_freed,
-            request_done=last,
+            request_done=first and (last or decoding),
+            decoding=decoding,
         )
         spread = f" (head-wise: {done.kept_min} to {done.kept_max})" if options.head_wise else ""
-        where = f"prompt {plan.n_prompt} tokens"
+        where = f"prompt {plan.seen} tokens"
         if plan.count > 1:
-            where = f"compaction {plan.index} of {plan.count} (prompt chunks to {plan.n_prompt} tokens)"
+            where = f"compaction {plan.index} of {plan.count} (prompt chunks to {plan.seen} tokens)"
+        elif decoding:
+            where = f"decoding compaction {plan.index} (at {plan.seen} tokens, every {options.compression_interval})"
         logger.info(
-            "kvpress_critical: request %s: %s, %d entries kept per KV head%s (%s, compression_ratio %.3g, budget "
-            "%d), %d of %d blocks freed%s",
+            "kvpress_critical: request %s: %s, %d entries kept per KV head%s (%s, %s, budget %d), %d of %d "
+            "blocks freed%s",
             request.request_id,
             where,
             plan.kept,
             spread,
             options.press,
-            options.compression_ratio,
+            f"target_size {options.target_size}" if decoding else f"compression_ratio {options.compression_ratio:.3g}",
             plan.budget,
             plan.blocks_freed,
             blocks_before,

@@ -238,9 +238,9 @@ class WorkerState:
             job = directives.compact.get(request_id)
             if job is not None:
                 evict = job.eviction
-                if before + scheduled != evict.n_prompt or evict.block_size != block_size:
+                if before + scheduled != evict.seen or evict.block_size != block_size:
                     raise PluginStateError(
-                        f"kvpress_critical: request {request_id} is to be compacted after its {evict.n_prompt}-token "
+                        f"kvpress_critical: request {request_id} is to be compacted after its {evict.seen}-token "
                         f"prompt (blocks of {evict.block_size}), but this step runs its positions {before}.."
                         f"{before + scheduled - 1} (blocks of {block_size})"
                     )
@@ -251,7 +251,7 @@ class WorkerState:
                         f"its compaction from position {evict.start} follows one that was not done"
                     )
                 else:
-                    table = cm.block_table_tensor[row, : -(-evict.n_prompt // block_size)]
+                    table = cm.block_table_tensor[row, : -(-evict.seen // block_size)]
                     plan.jobs.append(Job(job, row, starts[row], starts[row + 1], table))
             window = directives.save_queries.get(request_id)
             if window is not None:
@@ -391,8 +391,8 @@ class WorkerState:
         request_id, evict = job.directive.request_id, job.directive.eviction
         if job.directive.options.head_wise:
             counts = torch.stack([mask.sum(dim=1) for mask in kept.values()])  # (L, H_kv), the pinned tail in
-            pinned = evict.n_prompt % evict.block_size
-            self.head_wise[request_id] = HeadWise(evict.evicted, evict.n_prompt - pinned, counts - pinned)
+            pinned = evict.seen % evict.block_size
+            self.head_wise[request_id] = HeadWise(evict.evicted, evict.seen - pinned, counts - pinned)
         else:
             self.shifts[request_id] = evict.evicted
             counts = torch.full((1, 1), evict.kept)
@@ -411,16 +411,16 @@ class WorkerState:
                 heads = []
                 for h in range(mask.shape[0]):
                     before = earlier[name][h] if name in earlier else torch.arange(0)
-                    held = torch.cat([before, torch.arange(evict.start + before.numel(), evict.n_prompt)])
+                    held = torch.cat([before, torch.arange(evict.start + before.numel(), evict.seen)])
                     heads.append(held[mask[h].nonzero().flatten().cpu()])
                 chosen[name] = heads
             self.selections[request_id] = chosen
-            stages.append((evict.n_prompt, chosen))
+            stages.append((evict.seen, chosen))
 
     def _slots(self, job: Job) -> torch.Tensor:
-        """``(held,)`` slots of the positions the compaction scores, ``start .. n_prompt - 1``."""
+        """``(held,)`` slots of the positions the compaction scores, ``start .. seen - 1``."""
         evict = job.directive.eviction
-        positions = torch.arange(evict.start, evict.n_prompt, device=job.block_ids.device)
+        positions = torch.arange(evict.start, evict.seen, device=job.block_ids.device)
         return job.block_ids[positions // evict.block_size].long() * evict.block_size + positions % evict.block_size
 
     def _score(self, job: Job, attention_layers: dict) -> dict[str, tuple]:
@@ -460,10 +460,10 @@ class WorkerState:
         for name, (base, norms) in scores.items():
             mask = select(options, base, norms, evict.kept, evict.held)
             if options.head_wise:
-                boundary = evict.n_prompt // evict.block_size * evict.block_size
+                boundary = evict.seen // evict.block_size * evict.block_size
                 if not bool(mask[:, boundary:].all()):
                     raise LayoutError(
-                        f"layer {name} drops some of the prompt's last {evict.n_prompt - boundary} tokens in a KV "
+                        f"layer {name} drops some of the prompt's last {evict.seen - boundary} tokens in a KV "
                         "head, which the head-wise layout keeps in every head"
                     )
             kept[name] = mask
@@ -479,7 +479,7 @@ class WorkerState:
         slots = self._slots(job)
         evict = job.directive.eviction
         if job.directive.options.head_wise:
-            boundary = evict.n_prompt // evict.block_size * evict.block_size
+            boundary = evict.seen // evict.block_size * evict.block_size
             region = job.block_ids[evict.evicted // evict.block_size : boundary // evict.block_size].long()
             for name, mask in kept.items():
                 kv_cache = attention_layers[name].kv_cache

@@ -1,8 +1,10 @@
 """Run a batch in an engine started the default way (engine core and workers in their own processes); a script.
 
 ``python engine_process.py JOB.json`` reads ``{"engine": LLM kwargs, "plugin": options, "prompts": [[ids]],
-"presses": [...] | null, "async_scheduling": bool}`` and writes ``JOB.json.out``: the greedy tokens, the selections
-recorded by each rank, the scheduler class and how many requests each rank compacted.
+"presses": [...] | null, "requests": [{option: value}] | null, "max_tokens": int, "ignore_eos": bool,
+"async_scheduling": bool}`` (``requests``: each prompt's own options, instead of ``presses``; 32 tokens by default)
+and writes ``JOB.json.out``: the greedy tokens, the selections recorded by each rank, the scheduler class and how
+many requests each rank compacted.
 
 vLLM's CPU platform turns async scheduling off (``CpuPlatform.check_and_update_config``: "not required on CPU"),
 while it is vLLM's default on GPUs; with ``async_scheduling`` this script keeps it on through that hook so that the
@@ -36,9 +38,15 @@ if __name__ == "__main__":  # vLLM starts its processes with spawn
 
     llm = LLM(**engine, additional_config={"kvpress_critical": job["plugin"]})
     presses = job.get("presses") or [job["plugin"]["press"]] * len(job["prompts"])
+    requests = job.get("requests") or [{"press": press} for press in presses]
     params = [
-        SamplingParams(max_tokens=32, temperature=0, extra_args={"kvpress_critical": {"press": press}})
-        for press in presses
+        SamplingParams(
+            max_tokens=job.get("max_tokens", 32),
+            temperature=0,
+            ignore_eos=job.get("ignore_eos", False),
+            extra_args={"kvpress_critical": options},
+        )
+        for options in requests
     ]
     outputs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params)
     by_rank = llm.collective_rpc("kvpress_critical_selections")

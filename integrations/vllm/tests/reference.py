@@ -58,49 +58,61 @@ def greedy_after_eviction(model, prompt_ids: list[int], kept: dict[str, list[lis
 
 
 @torch.no_grad()
-def greedy_after_chunked_eviction(model, prompt_ids: list[int], stages: list[dict], max_new_tokens: int):
+def greedy_with_compactions(model, prompt_ids: list[int], stages: list[dict], max_new_tokens: int):
     """
-    Greedy tokens of ``model`` after prefilling ``prompt_ids`` in the chunks the engine compacted after, each chunk at
-    its own positions over what the earlier compactions kept: after the chunk that ends at ``stage["seen"]`` tokens,
-    each layer and KV head keeps only the prompt positions ``stage["kept"][layer_name][head]`` (the same number in
-    every head). The tokens after the last compaction are prefilled as one more chunk, then decoding continues at
-    position ``N``.
+    Greedy tokens of ``model`` with the engine's compactions replayed: the prompt is prefilled in the chunks the
+    engine compacted after, each chunk at its own positions over what the earlier compactions kept, then decoded one
+    token at a time; after the chunk or the decoding step that ends at ``stage["seen"]`` tokens, each layer and KV head
+    keeps only the positions ``stage["kept"][layer_name][head]`` (the same number in every head). Prompt tokens after
+    the prompt's last compaction are prefilled as one more chunk; decoding continues at position ``N``.
     """
     cache = DynamicCache()
-    held: dict[int, torch.Tensor] = {}  # layer index -> (H_kv, entries) the prompt positions the cache holds
-    done = 0
+    held: dict[int, torch.Tensor] = {}  # layer index -> (H_kv, entries) the positions the cache holds
+    by_seen = {stage["seen"]: stage["kept"] for stage in stages}
+    done = 0  # tokens seen at the last compaction
 
-    def run(first: int, end: int):
+    def run(tokens: list[int], first: int):
         cached = cache.get_seq_length()
         return model(
-            input_ids=torch.tensor([prompt_ids[first:end]]),
+            input_ids=torch.tensor([tokens]),
             past_key_values=cache,
-            position_ids=torch.arange(first, end)[None],
-            cache_position=torch.arange(cached, cached + end - first),
+            position_ids=torch.arange(first, first + len(tokens))[None],
+            cache_position=torch.arange(cached, cached + len(tokens)),
             use_cache=True,
         )
 
-    out = None
-    for stage in stages:
-        seen = stage["seen"]
-        out = run(done, seen)
-        for name, heads in stage["kept"].items():
+    def compact(seen: int) -> None:
+        nonlocal done
+        for name, heads in by_seen[seen].items():
             index = layer_index(name)
             layer = cache.layers[index]
             fresh = torch.arange(done, seen).expand(len(heads), -1)
             positions = fresh if index not in held else torch.cat([held[index], fresh], dim=1)
             kept = torch.tensor(heads)  # (H_kv, kept), ascending
             rows = torch.searchsorted(positions, kept)
-            assert bool((positions.gather(1, rows) == kept).all()), "a kept position the cache does not hold"
+            assert bool((positions.gather(1, rows.clamp(max=positions.shape[1] - 1)) == kept).all()), (
+                "a kept position the cache does not hold"
+            )
             gather = rows[None, :, :, None].expand(-1, -1, -1, layer.keys.shape[-1])
             layer.keys = layer.keys.gather(2, gather).contiguous()
             layer.values = layer.values.gather(2, gather).contiguous()
             held[index] = kept
         done = seen
+
     n_prompt = len(prompt_ids)
+    out = None
+    for seen in sorted(s for s in by_seen if s <= n_prompt):
+        out = run(prompt_ids[done:seen], done)
+        compact(seen)
     if done < n_prompt:
-        out = run(done, n_prompt)
-    return greedy_decode(model, cache, out.logits, n_prompt, max_new_tokens)
+        out = run(prompt_ids[done:], done)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for position in range(n_prompt, n_prompt + max_new_tokens - 1):
+        out = run(tokens[-1:], position)
+        tokens.append(int(out.logits[0, -1].argmax()))
+        if position + 1 in by_seen:
+            compact(position + 1)
+    return tokens
 
 
 _DROPPED: dict[int, torch.Tensor] = {}  # layer index -> (H_kv, N) bool: the prompt entries a KV head dropped

@@ -4,7 +4,7 @@ Requests of the session's engine with ``chunk_size`` 256 (per request): their pr
 tokens and compacted after each one. Checked:
 
 - exactness: the engine's greedy tokens equal transformers' prefilling the same chunks at their positions, each over
-  the cache the engine kept after the chunk before (``reference.greedy_after_chunked_eviction``, fed with the kept
+  the cache the engine kept after the chunk before (``reference.greedy_with_compactions``, fed with the kept
   positions the engine reports after each compaction);
 - selection: the kept entries equal ``ChunkedPrefillPress(press, chunk_size)`` (this project's transformers press,
   run in kvpress's environment) keeping the plugin's block-aligned counts;
@@ -15,7 +15,7 @@ tokens and compacted after each one. Checked:
 
 import pytest
 from conftest import BLOCK_SIZE, NEW_TOKENS, engine_kwargs, internal_id, make_llm, model_path, run_to_end, scheduler_of
-from reference import greedy_after_chunked_eviction, load_reference_model
+from reference import greedy_with_compactions, load_reference_model
 from test_engine_features import engine_process
 from test_selection import compare_selections, press_selections
 
@@ -61,11 +61,11 @@ def test_greedy_output_equals_transformers_prefilling_the_same_chunks(chunked_ba
     prompt, press = prompts[index], CHUNKED[index]
     plan = plan_of(press, len(prompt))
     assert len(plan) >= 3
-    assert [stage["seen"] for stage in stages[index]] == [p.n_prompt for p in plan]
+    assert [stage["seen"] for stage in stages[index]] == [p.seen for p in plan]
     for stage, expected in zip(stages[index], plan):
         assert {len(heads[0]) for heads in stage["kept"].values()} == {expected.kept}
     got = list(outputs[index].outputs[0].token_ids)
-    assert got == greedy_after_chunked_eviction(reference_model, prompt, stages[index], NEW_TOKENS)
+    assert got == greedy_with_compactions(reference_model, prompt, stages[index], NEW_TOKENS)
 
 
 def test_plugin_keeps_what_chunked_prefill_press_keeps(chunked_batch):
@@ -75,7 +75,7 @@ def test_plugin_keeps_what_chunked_prefill_press_keeps(chunked_batch):
     defaults = CompressionOptions().as_dict()
     requests = []
     for press, prompt in zip(CHUNKED, prompts):
-        kept_after = {str(stage.n_prompt): stage.kept for stage in plan_of(press, len(prompt))}
+        kept_after = {str(stage.seen): stage.kept for stage in plan_of(press, len(prompt))}
         requests.append({**defaults, "press": press, "prompt_ids": prompt, "compression_ratio": 0.5,
                          "chunk_size": CHUNK, "kept_after": kept_after})  # fmt: skip
     reference = press_selections(requests)
@@ -114,10 +114,10 @@ def test_a_request_never_holds_more_than_the_schedules_bound(engine, prompt_ids)
             break
         trace.append((request.num_computed_tokens, real_blocks(scheduler, request_id)))
     for computed, held in trace:
-        before = [stage for stage in plan if stage.n_prompt < computed]
+        before = [stage for stage in plan if stage.seen < computed]
         evicted = before[-1].evicted if before else 0
         # a step that ends at a compaction is traced after it: the blocks up to its eviction are gone
-        done = [stage for stage in plan if stage.n_prompt == computed]
+        done = [stage for stage in plan if stage.seen == computed]
         evicted = done[0].evicted if done else evicted
         assert held == -(-computed // BLOCK_SIZE) - evicted // BLOCK_SIZE, (computed, held)
     prefill_peak = max(held for computed, held in trace if computed <= len(prompt))

@@ -67,6 +67,18 @@ BAD_OPTIONS = [
         "chunk_size",
         "head-wise",
     ),
+    ({"kvpress_critical.compression_interval": 128}, "target_size", "needs both"),
+    (
+        {"kvpress_critical.compression_interval": 64, "kvpress_critical.target_size": 256},
+        "compression_interval",
+        "more than window_size=64",
+    ),
+    (
+        {"kvpress_critical.press": "adakv_snapkv", "kvpress_critical.compression_interval": 128,
+         "kvpress_critical.target_size": 256},
+        "compression_interval",
+        "head-wise",
+    ),  # fmt: skip
     ({"kvpress_critical": "0.5"}, "kvpress_critical", "must be a dict"),
 ]
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from kvpress_critical_vllm.attention import shifted_view
-from kvpress_critical_vllm.budget import chunk_ends, eviction, schedule
+from kvpress_critical_vllm.budget import Schedule, blocks_held_at_most, chunk_ends, eviction, schedule
 from kvpress_critical_vllm.layouts import LearnedBlockLayout, check_round_trip
 from kvpress_critical_vllm.options import CompressionOptions, OptionsError, engine_options, resolve_options
 
@@ -46,30 +46,30 @@ def test_chunked_schedule_bounds_what_a_request_holds(n_prompt, ratio, chunk_siz
     if not one_shot.active:
         assert stages == () and reason
         return
-    assert reason == "" and stages[-1].n_prompt in ends
+    assert reason == "" and stages[-1].seen in ends
     # in the end as many positions evicted as one compaction of the whole prompt evicts (a last chunk that frees no
     # block is not compacted: the chunks before evicted them already)
     assert stages[-1].evicted == one_shot.evicted
     start = 0
     for i, stage in enumerate(stages):
         assert (stage.start, stage.index, stage.count) == (start, i + 1, len(stages))
-        assert stage.n_prompt in ends and stage.evicted % block_size == 0 and stage.evicted > stage.start
-        assert stage.budget == max(1, int(stage.n_prompt * (1 - ratio)))
+        assert stage.seen in ends and stage.evicted % block_size == 0 and stage.evicted > stage.start
+        assert stage.budget == max(1, int(stage.seen * (1 - ratio)))
         assert stage.budget <= stage.kept < stage.budget + block_size
         start = stage.evicted
     # what a request holds while a chunk runs: what the compactions before left, and the chunk
     held, previous = [], (0, 0)
     for end in ends:
         held.append(end - previous[1])
-        done = [s for s in stages if s.n_prompt == end]
+        done = [s for s in stages if s.seen == end]
         if done:
             previous = (end, done[0].evicted)
     for end, entries in zip(ends, held):
-        before = max((s for s in stages if s.n_prompt < end), key=lambda s: s.n_prompt, default=None)
-        bound = (before.kept if before else 0) + (end - (before.n_prompt if before else 0))
+        before = max((s for s in stages if s.seen < end), key=lambda s: s.seen, default=None)
+        bound = (before.kept if before else 0) + (end - (before.seen if before else 0))
         assert entries == bound
         if before is not None:
-            assert entries < before.budget + block_size + (end - before.n_prompt)
+            assert entries < before.budget + block_size + (end - before.seen)
 
 
 def test_chunked_schedule_merges_a_last_chunk_shorter_than_the_window():
@@ -80,7 +80,7 @@ def test_chunked_schedule_merges_a_last_chunk_shorter_than_the_window():
     assert chunk_ends(CompressionOptions(press="knorm", compression_ratio=0.5, chunk_size=100), 250) == [100, 200, 250]
     # a chunk that frees no whole block is not compacted: the next one scores what it held
     stages, _ = schedule(CompressionOptions(press="knorm", compression_ratio=0.1, chunk_size=100), 1000, 32)
-    assert [s.n_prompt for s in stages] == [400, 700, 1000]
+    assert [s.seen for s in stages] == [400, 700, 1000]
     assert [s.evicted for s in stages] == [32, 64, 96]
 
 
@@ -98,6 +98,81 @@ def test_chunk_size_is_checked():
     knorm = resolve_options(CompressionOptions(compression_ratio=0.5), {"kvpress_critical.press": "knorm",
                                                                        "kvpress_critical.chunk_size": 8})  # fmt: skip
     assert knorm.chunk_size == 8  # no window to fill
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+@pytest.mark.parametrize("chunk_size", [0, 256])
+@pytest.mark.parametrize("interval, target", [(65, 100), (128, 512), (300, 64)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decoding_schedule_holds_a_generation_to_its_target(ratio, chunk_size, interval, target, block_size):
+    options = CompressionOptions(
+        press="critical_snapkv", compression_ratio=ratio, chunk_size=chunk_size, compression_interval=interval,
+        target_size=target,
+    )  # fmt: skip
+    n_prompt, n_tokens = 700, 700 + 4000
+    plan = Schedule(options, n_prompt, block_size)
+    prompt = list(schedule(options, n_prompt, block_size)[0])
+    stages = plan.upto(n_tokens)
+    assert stages[: len(prompt)] == prompt
+    decoding = stages[len(prompt) :]
+    assert decoding and all(s.phase == "decoding" for s in decoding)
+    start = prompt[-1].evicted if prompt else 0
+    for i, stage in enumerate(decoding):
+        # kvpress's DecodingPress: after every `interval` generated tokens, back to target_size (here in whole blocks)
+        assert (stage.seen - n_prompt) % interval == 0 and stage.start == start and stage.index == i + 1
+        assert stage.evicted % block_size == 0 and stage.evicted > stage.start
+        assert target <= stage.kept < target + block_size
+        start = stage.evicted
+    # an interval that frees no whole block is not compacted: the held entries then stay below target + one block
+    points = range(n_prompt + interval, n_tokens + 1, interval)
+    compacted = {s.seen for s in decoding}
+    held = prompt[-1].kept if prompt else n_prompt
+    for point in points:
+        held += interval
+        if point in compacted:
+            held = next(s.kept for s in decoding if s.seen == point)
+        else:
+            assert held - target < block_size
+    # after its first compaction while decoding, a generation of 4000 tokens never holds more than target_size, one
+    # interval and one block per head (in blocks: one more where they straddle a block boundary)
+    bound = -(-(target + block_size - 1 + interval) // block_size) + 1
+    ends = [s.seen for s in decoding[1:]] + [n_tokens]
+    for stage, end in zip(decoding, ends):
+        assert -(-end // block_size) - stage.evicted // block_size <= bound
+    first = decoding[0]
+    assert blocks_held_at_most(tuple(stages), n_tokens, block_size) == max(
+        blocks_held_at_most(tuple(stages[: len(prompt) + 1]), first.seen, block_size),
+        max(-(-end // block_size) - stage.evicted // block_size for stage, end in zip(decoding, ends)),
+    )
+    # listed lazily, and the same however far it is asked
+    assert Schedule(options, n_prompt, block_size).upto(n_tokens) == stages
+    assert plan.after(n_tokens, n_tokens + 10 * interval) is not None and plan.stage(len(stages), n_tokens) is None
+
+
+def test_decoding_options_are_checked():
+    engine = CompressionOptions(compression_ratio=0.5)
+    both = resolve_options(engine, {"kvpress_critical": {"compression_interval": 128, "target_size": 256}})
+    assert both.decoding and both.compresses
+    alone = resolve_options(
+        CompressionOptions(), {"kvpress_critical": {"compression_interval": 128, "target_size": 64}}
+    )
+    assert alone.compression_ratio == 0 and alone.compresses
+    cases = [
+        ({"compression_interval": 128}, "needs both compression_interval and target_size; target_size is not set"),
+        ({"target_size": 128}, "compression_interval is not set"),
+        ({"compression_interval": 64, "target_size": 128}, "compression_interval=64 is not allowed: more than window"),
+        ({"press": "streaming_llm", "compression_interval": 8, "target_size": 4}, "target_size=4 is not allowed"),
+        ({"press": "critical_adakv_snapkv", "compression_interval": 128, "target_size": 256}, "head-wise layout"),
+        ({"compression_interval": -1, "target_size": 1}, "compression_interval=-1 is not allowed"),
+        ({"compression_interval": 100, "target_size": 2.5}, "target_size=2.5 is not allowed"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(OptionsError, match=re.escape(message)):
+            resolve_options(engine, {"kvpress_critical": overrides})
+    knorm = resolve_options(
+        engine, {"kvpress_critical": {"press": "knorm", "compression_interval": 1, "target_size": 8}}
+    )
+    assert knorm.compression_interval == 1  # no window to fill
 
 
 def test_requests_override_engine_options_nested_and_flat():
