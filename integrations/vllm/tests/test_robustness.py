@@ -74,8 +74,11 @@ BAD_OPTIONS = [
         "more than window_size=64",
     ),
     (
-        {"kvpress_critical.press": "adakv_snapkv", "kvpress_critical.compression_interval": 128,
-         "kvpress_critical.target_size": 256},
+        {
+            "kvpress_critical.press": "adakv_snapkv",
+            "kvpress_critical.compression_interval": 128,
+            "kvpress_critical.target_size": 256,
+        },
         "compression_interval",
         "head-wise",
     ),  # fmt: skip
