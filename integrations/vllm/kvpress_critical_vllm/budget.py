@@ -69,11 +69,18 @@ class Eviction:
         return self.evicted > self.start
 
 
+def whole_blocks_over(seen: int, start: int, budget: int, block_size: int) -> int:
+    """Positions a request holding ``start .. seen - 1`` can evict in whole blocks and keep at least ``budget``
+    entries per head: ``floor((seen - start - budget) / block_size) * block_size``, 0 when not one block."""
+    return max(0, (seen - start - budget) // block_size * block_size)
+
+
 def eviction(options: CompressionOptions, n_prompt: int, block_size: int, start: int = 0) -> Eviction:
     """The :class:`Eviction` after ``n_prompt`` tokens of a request that holds positions ``start ..``; inactive (with
     its reason) when no whole block can be freed."""
     ratio = options.compression_ratio
     budget = compute_n_kept(n_prompt, ratio) if ratio > 0 else n_prompt
+    free = whole_blocks_over(n_prompt, start, budget, block_size)
     reason = ""
     if ratio == 0:
         reason = "compression_ratio is 0"
@@ -81,13 +88,13 @@ def eviction(options: CompressionOptions, n_prompt: int, block_size: int, start:
         reason = f"its {n_prompt}-token prompt is not longer than SnapKV's window ({options.window_size})"
     elif options.base == "streaming_llm" and (n_prompt <= options.n_sink or budget < options.n_sink):
         reason = f"its {n_prompt}-token prompt leaves no room after StreamingLLM's {options.n_sink} sinks"
-    elif n_prompt - start - budget < block_size:
+    elif not free:
         reason = (
             f"at compression_ratio {ratio:g} its {n_prompt}-token prompt would evict {n_prompt - budget} entries "
             f"per head, less than one {block_size}-token block (the plugin frees whole blocks; a smaller "
             "block_size frees more)"
         )
-    evicted = start if reason else start + (n_prompt - start - budget) // block_size * block_size
+    evicted = start if reason else start + free
     return Eviction(seen=n_prompt, budget=budget, evicted=evicted, block_size=block_size, reason=reason, start=start)
 
 
@@ -98,7 +105,7 @@ def decoding_eviction(options: CompressionOptions, seen: int, block_size: int, s
     whole block (kvpress's ``DecodingPress`` leaves a layer at or under its target as it is).
     """
     budget = options.target_size
-    free = (seen - start - budget) // block_size * block_size if seen - start - budget >= block_size else 0
+    free = whole_blocks_over(seen, start, budget, block_size)
     reason = "" if free else f"it holds {seen - start} entries per head, less than one block over target_size {budget}"
     return Eviction(
         seen=seen, budget=budget, evicted=start + free, block_size=block_size, reason=reason, start=start,
