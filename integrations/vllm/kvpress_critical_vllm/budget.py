@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvpress_critical.selection import compute_n_kept
-from kvpress_critical_vllm.options import CompressionOptions
+from kvpress_critical_vllm.options import CompressionOptions, OptionsError
 
 
 @dataclass(frozen=True)
@@ -216,3 +216,72 @@ class Schedule:
                 self.stages.append(plan)
                 self._evicted = plan.evicted
             self._next_point += interval
+
+
+def hold_bound(options: CompressionOptions, max_len: int, block_size: int) -> int | None:
+    """
+    The most KV blocks a request with these options holds, whatever its prompt and generation up to ``max_len``
+    tokens, or ``None`` when that is not less than holding ``max_len`` tokens whole.
+
+    Only a request compacted after every prompt chunk *and* while decoding is bounded. What it holds is counted from
+    a block boundary (compactions evict whole blocks), with at most one block of rounding over a budget:
+
+    - while a chunk of ``c`` tokens runs (``chunk_size``, the last one up to SnapKV's window longer), the entries
+      kept for the ``P - c`` tokens before it and the chunk: at most ``b(max_len - c) + bs - 1 + c``, where ``b(N) =
+      max(1, int(N * (1 - ratio)))`` is ``ChunkedPrefillPress``'s budget;
+    - while decoding, what the prompt's or the last decoding compaction kept and one ``compression_interval`` of new
+      tokens: at most ``max(b(max_len - interval), target_size) + bs - 1 + interval``;
+
+    plus ``ceil(c / bs) + 1`` blocks for the next step's allocation, made (with async scheduling) before the blocks a
+    compaction frees are back.
+    """
+    if not (options.compression_ratio > 0 and options.chunk_size and options.decoding):
+        return None
+    ratio, interval = options.compression_ratio, options.compression_interval
+    chunk = options.chunk_size + (options.window_size if options.needs_queries else 0)
+
+    def blocks(entries: int) -> int:
+        return -(-(entries + block_size - 1) // block_size)
+
+    prefill = blocks(compute_n_kept(max(1, max_len - chunk), ratio) + chunk)
+    decoding = blocks(max(compute_n_kept(max(1, max_len - interval), ratio), options.target_size) + interval)
+    bound = max(prefill, decoding) + -(-chunk // block_size) + 1
+    whole = -(-max_len // block_size)
+    return bound if bound < whole else None
+
+
+def check_hold(options: CompressionOptions, max_len: int, block_size: int, pool_blocks: int, where: str) -> None:
+    """
+    Refuse options under which a request could hold more blocks than the pool has (``pool_blocks``) before it
+    reaches ``max_len`` tokens: it could then never be scheduled. Nothing to check when ``max_len`` tokens fit in the
+    pool; otherwise the message names the option to set or lower.
+    """
+    whole = -(-max_len // block_size)
+    if whole <= pool_blocks:
+        return
+    bound = hold_bound(options, max_len, block_size)
+    if bound is not None and bound <= pool_blocks:
+        return
+    if options.compression_ratio <= 0:
+        option, fix = "compression_ratio", "a compression_ratio above 0 (with chunk_size and compression_interval)"
+    elif not options.chunk_size:
+        option, fix = "chunk_size", "chunk_size (the prompt is otherwise held whole until its prefill ends)"
+    elif not options.decoding:
+        option = "compression_interval"
+        fix = "compression_interval and target_size (generated tokens are otherwise kept)"
+    else:
+        sizes = {  # what each option adds to the bound, in entries per head
+            "compression_ratio": compute_n_kept(max_len, options.compression_ratio),
+            "chunk_size": options.chunk_size,
+            "compression_interval": options.compression_interval,
+            "target_size": options.target_size,
+        }
+        option = max(sizes, key=sizes.get)
+        fix = "a larger compression_ratio" if option == "compression_ratio" else f"a smaller {option}"
+    held = f"up to {bound} blocks" if bound is not None else f"its whole {max_len} tokens ({whole} blocks)"
+    raise OptionsError(
+        f"{where}: a request of up to {max_len} tokens (max_model_len) could hold {held} under these options, more "
+        f"than the KV pool's {pool_blocks} blocks of {block_size} tokens, and could never be scheduled. Set {fix}, "
+        "or serve a smaller max_model_len.",
+        option,
+    )

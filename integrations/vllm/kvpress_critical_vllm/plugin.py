@@ -8,8 +8,9 @@
   ``"kvpress_critical"``;
 - a request's ``extra_args["kvpress_critical"]`` overrides are checked where vLLM checks sampling parameters: their
   names, types and ranges when ``SamplingParams`` are built, and against the engine's bounds when the engine's input
-  processor validates the request, so that a bad request fails in the caller (an HTTP 400 naming the option and its
-  allowed range in the server), never in the engine;
+  processor validates the request (with a ``max_model_len`` longer than the KV pool, also whether under its options
+  a request could hold more blocks than the pool has), so that a bad request fails in the caller (an HTTP 400 naming
+  the option and its allowed range in the server), never in the engine;
 - the plugin's counters are exposed on the server's ``/metrics`` (:mod:`kvpress_critical_vllm.metrics`).
 """
 
@@ -73,17 +74,27 @@ def _checked_for_the_engine(validate_params):
         from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import SamplingParams
 
-        from kvpress_critical_vllm.options import CONFIG_KEY, OptionsError, engine_options, resolve_options
+        from kvpress_critical_vllm.budget import check_hold
+        from kvpress_critical_vllm.options import (
+            CONFIG_KEY,
+            REQUEST_WHERE,
+            OptionsError,
+            engine_options,
+            resolve_options,
+        )
 
         if isinstance(params, SamplingParams) and params.extra_args:
             engine = engine_options(self.vllm_config.additional_config)
             if engine is not None:
                 try:
                     config = self.vllm_config
-                    resolve_options(
-                        engine, params.extra_args, config.cache_config.block_size,
-                        config.parallel_config.tensor_parallel_size,
-                    )  # fmt: skip
+                    block_size = config.cache_config.block_size
+                    options = resolve_options(
+                        engine, params.extra_args, block_size, config.parallel_config.tensor_parallel_size
+                    )
+                    pool_blocks = (config.cache_config.num_gpu_blocks or 0) - 1  # less vLLM's null block
+                    if options is not engine and pool_blocks > 0:  # the engine's own were checked at start-up
+                        check_hold(options, config.model_config.max_model_len, block_size, pool_blocks, REQUEST_WHERE)
                 except OptionsError as error:
                     raise VLLMValidationError(str(error), parameter=f"{CONFIG_KEY}.{error.option}") from error
         return result

@@ -30,6 +30,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvpress_critical_vllm.budget import Eviction, Schedule, blocks_held_at_most
 from kvpress_critical_vllm.engine_config import EngineConfigError
+from kvpress_critical_vllm.kv_spec import CompressedFullAttentionSpec
 from kvpress_critical_vllm.metrics import MetricsWriter
 from kvpress_critical_vllm.options import CompressionOptions, OptionsError, engine_options, resolve_options
 from kvpress_critical_vllm.protocol import DIRECTIVES_ATTRIBUTE, REPORT_ATTRIBUTE, Compact, StepDirectives
@@ -104,7 +105,7 @@ class CompressingSchedulerMixin:
         super().__init__(*args, **kwargs)
         self.kvpress_options: CompressionOptions = engine_options(self.vllm_config.additional_config)
         groups = self.kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+        if len(groups) != 1 or type(groups[0].kv_cache_spec) not in (FullAttentionSpec, CompressedFullAttentionSpec):
             specs = ", ".join(type(group.kv_cache_spec).__name__ for group in groups) or "none"
             raise EngineConfigError(
                 "kvpress_critical cannot compress with this engine: the model's KV cache has groups of "
@@ -128,6 +129,18 @@ class CompressingSchedulerMixin:
             self.kvpress_block_size,
             self.kvpress_block_size - 1,
         )
+        bound = getattr(spec, "max_blocks_held", None)
+        if bound is not None:
+            options, max_model_len = self.kvpress_options, self.vllm_config.model_config.max_model_len
+            logger.info(
+                "kvpress_critical: a request holds at most %d blocks (chunk_size %d, compression_interval %d, "
+                "target_size %d at compression_ratio %g), not the %d of a whole %d-token request: vLLM's start-up "
+                "check and concurrency figures read that bound, and a request whose own options could hold more than "
+                "the pool's %d blocks is refused",
+                bound, options.chunk_size, options.compression_interval, options.target_size,
+                options.compression_ratio, -(-max_model_len // spec.block_size), max_model_len,
+                self.kv_cache_config.num_blocks - 1,
+            )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------- requests
     @property

@@ -120,6 +120,16 @@ class CompressingWorkerMixin:
             options.max_window_size, model.get_num_layers(parallel),
         )  # fmt: skip
 
+    def get_kv_cache_spec(self, *args, **kwargs):
+        """vLLM's specs, the full-attention layers declaring the bound of a request compacted after every prompt chunk
+        and while decoding (:mod:`kvpress_critical_vllm.kv_spec`): vLLM's start-up check then reads what a request
+        really holds. (The compaction reserve above stays sized for ``max_model_len``: a request's own options may
+        hold more than the engine's, up to what the pool has.)"""
+        from kvpress_critical_vllm.kv_spec import bounded_specs
+
+        options, max_len = self.kvpress_state.engine_options, self.vllm_config.model_config.max_model_len
+        return bounded_specs(super().get_kv_cache_spec(*args, **kwargs), options, max_len)
+
     def initialize_from_config(self, *args, **kwargs):
         result = super().initialize_from_config(*args, **kwargs)
         self._check_attention_layers()

@@ -46,14 +46,20 @@ def params(options: dict, max_tokens: int = DECODE_TOKENS):
     )
 
 
-def plan_of(options: dict, n_prompt: int, n_tokens: int):
-    """The request's compactions up to ``n_tokens`` tokens seen (the budget module's, for the engine's options)."""
+def plan_options(options: dict):
+    """The plugin's options for this dict over the defaults."""
     from dataclasses import replace
 
-    from kvpress_critical_vllm.budget import Schedule
     from kvpress_critical_vllm.options import CompressionOptions
 
-    return Schedule(replace(CompressionOptions(), **options), n_prompt, BLOCK_SIZE).upto(n_tokens)
+    return replace(CompressionOptions(), **options)
+
+
+def plan_of(options: dict, n_prompt: int, n_tokens: int):
+    """The request's compactions up to ``n_tokens`` tokens seen (the budget module's, for the engine's options)."""
+    from kvpress_critical_vllm.budget import Schedule
+
+    return Schedule(plan_options(options), n_prompt, BLOCK_SIZE).upto(n_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +154,47 @@ def test_long_generations_run_at_once_in_bounded_memory(prompt_ids):
     assert first <= -(-(200 + 96) // BLOCK_SIZE) and worst <= bound
     assert all(scheduler.kvpress_records[ids[f"long{i}"]].preemptions == 0 for i in range(3))
     assert all(scheduler.kvpress_records[ids[f"long{i}"]].compaction == len(plan) for i in range(3))
+
+
+def test_a_prompt_and_a_generation_longer_than_the_pool_are_served(prompt_ids):
+    """A pool of 32 blocks (1024 tokens) and a max_model_len of 3072: with chunk_size, compression_interval and
+    target_size engine-wide a request holds at most ``hold_bound`` blocks, which vLLM's start-up check reads. A
+    2400-token prompt (2.3 times the pool) and a 1400-token generation (1.6 times the pool with its prompt) are
+    served, every request within the bound at every step; a request whose own options would hold its prompt whole
+    is refused when it is made."""
+    from kvpress_critical_vllm.budget import blocks_held_at_most, hold_bound
+    from vllm.exceptions import VLLMValidationError
+
+    options = {"compression_ratio": 0.9, "chunk_size": 256, "compression_interval": 128, "target_size": 256,
+               "window_size": 32}  # fmt: skip
+    llm = make_llm({"press": "critical_snapkv", **options}, kv_cache_memory_bytes=33 * BLOCK_SIZE * TOKEN_BYTES,
+                   max_model_len=3072)  # fmt: skip
+    scheduler = scheduler_of(llm)
+    bound = hold_bound(plan_options(options), 3072, BLOCK_SIZE)
+    assert scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec.max_blocks_held == bound
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 32 and bound <= 32 < 3072 // BLOCK_SIZE
+    with pytest.raises(VLLMValidationError, match="chunk_size"):
+        llm.generate([{"prompt_token_ids": prompt_ids[:100]}], [params({"chunk_size": 0}, 8)])
+    long_prompt = (prompt_ids * 2)[:2400]
+    requests = {"long-prompt": (long_prompt, 64), "long-generation": (prompt_ids[300:500], 1400)}
+    for name, (prompt, new_tokens) in requests.items():
+        llm.llm_engine.add_request(name, {"prompt_token_ids": prompt}, params({}, new_tokens))
+    ids = {rid.rpartition("-")[0]: rid for rid in scheduler.requests}
+    plans = {ids[name]: plan_of(options, len(prompt), len(prompt) + n) for name, (prompt, n) in requests.items()}
+    tokens, most = {}, dict.fromkeys(plans, 0)
+    while llm.llm_engine.has_unfinished_requests():
+        for output in llm.llm_engine.step():
+            if output.finished:
+                tokens[output.request_id] = len(output.outputs[0].token_ids)
+        for request in scheduler.running:
+            computed, plan = request.num_computed_tokens, plans[request.request_id]
+            held = real_blocks(scheduler, request.request_id)
+            traced = blocks_held_at_most([s for s in plan if s.seen <= computed], computed, BLOCK_SIZE)
+            assert held <= min(traced, bound), (request.request_id, computed, held, traced, bound)
+            most[request.request_id] = max(most[request.request_id], held)
+    print(f"bound {bound} blocks of a 32-block pool; held at most {most}")
+    assert tokens == {name: n for name, (_, n) in requests.items()}
+    assert all(scheduler.kvpress_records[rid].preemptions == 0 for rid in plans)
 
 
 def test_a_preempted_request_is_compacted_again_while_recomputed(engine, prompt_ids):

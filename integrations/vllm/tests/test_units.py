@@ -2,12 +2,21 @@
 
 import json
 import re
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 from kvpress_critical_vllm.attention import shifted_view
-from kvpress_critical_vllm.budget import Schedule, blocks_held_at_most, chunk_ends, eviction, schedule
+from kvpress_critical_vllm.budget import (
+    Schedule,
+    blocks_held_at_most,
+    check_hold,
+    chunk_ends,
+    eviction,
+    hold_bound,
+    schedule,
+)
 from kvpress_critical_vllm.layouts import LearnedBlockLayout, check_round_trip
 from kvpress_critical_vllm.options import CompressionOptions, OptionsError, engine_options, resolve_options
 
@@ -147,6 +156,61 @@ def test_decoding_schedule_holds_a_generation_to_its_target(ratio, chunk_size, i
     # listed lazily, and the same however far it is asked
     assert Schedule(options, n_prompt, block_size).upto(n_tokens) == stages
     assert plan.after(n_tokens, n_tokens + 10 * interval) is not None and plan.stage(len(stages), n_tokens) is None
+
+
+@pytest.mark.parametrize("ratio, chunk_size, interval, target", [
+    (0.5, 256, 128, 256), (0.75, 512, 65, 100), (0.9, 128, 300, 64), (0.25, 1000, 128, 512),
+])  # fmt: skip
+@pytest.mark.parametrize("press", ["critical_snapkv", "knorm"])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_hold_bound_holds_every_request_whatever_its_prompt(ratio, chunk_size, interval, target, press, block_size):
+    """What a request holds at most over its life (every chunk, every decoding interval, up to max_len tokens) for
+    prompts of every length: never over hold_bound, which is at most the next allocation's margin over it."""
+    max_len = 6000
+    options = CompressionOptions(
+        press=press, compression_ratio=ratio, chunk_size=chunk_size, compression_interval=interval, target_size=target,
+    )  # fmt: skip
+    bound = hold_bound(options, max_len, block_size)
+    assert bound is not None and bound < -(-max_len // block_size)
+    peaks = [
+        blocks_held_at_most(tuple(Schedule(options, n_prompt, block_size).upto(max_len)), max_len, block_size)
+        for n_prompt in range(block_size + 40, max_len, 97)
+    ]
+    margin = -(-(chunk_size + (options.window_size if options.needs_queries else 0)) // block_size) + 1
+    assert max(peaks) <= bound - margin
+    # not looser than where a prompt's chunks fall (the worst case is a chunk ending near max_len) and the rounding
+    assert bound - margin - max(peaks) <= margin + 1, (bound - margin, max(peaks))
+
+
+def test_hold_bound_needs_every_schedule():
+    bounded = dict(compression_ratio=0.5, chunk_size=256, compression_interval=128, target_size=256)
+    assert hold_bound(CompressionOptions(**bounded), 8192, 32) is not None
+    for unset in ({"compression_ratio": 0.0}, {"chunk_size": 0}, {"compression_interval": 0, "target_size": 0}):
+        assert hold_bound(CompressionOptions(**{**bounded, **unset}), 8192, 32) is None
+    assert hold_bound(CompressionOptions(**bounded), 700, 32) is None  # not less than the whole request
+
+
+def test_a_request_that_could_outgrow_a_small_pool_is_refused():
+    options = CompressionOptions(
+        compression_ratio=0.9, chunk_size=256, compression_interval=128, target_size=256, window_size=32
+    )
+    bound = hold_bound(options, 3072, 32)
+    check_hold(options, 3072, 32, bound, "here")  # fits
+    half = hold_bound(replace(options, compression_ratio=0.5), 3072, 32)
+    check_hold(replace(options, chunk_size=0), 1024, 32, 32, "here")  # a whole request fits: nothing to bound
+    cases = [
+        (replace(options, chunk_size=0), "chunk_size", "its whole 3072 tokens (96 blocks)"),
+        (replace(options, compression_interval=0, target_size=0), "compression_interval", "its whole 3072"),
+        (replace(options, compression_ratio=0.0), "compression_ratio", "its whole 3072"),
+        (replace(options, compression_ratio=0.5), "compression_ratio", f"up to {half} blocks"),
+        (replace(options, target_size=900), "target_size", "up to"),
+        (replace(options, chunk_size=1024), "chunk_size", "up to"),
+    ]
+    for changed, option, held in cases:
+        with pytest.raises(OptionsError, match=re.escape(held)) as error:
+            check_hold(changed, 3072, 32, bound, "here")
+        assert error.value.option == option, (changed, error.value.option)
+        assert f"more than the KV pool's {bound} blocks" in str(error.value)
 
 
 def test_decoding_options_are_checked():
