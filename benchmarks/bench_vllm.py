@@ -5,18 +5,25 @@ Two engines in one process, with the same fixed KV pool (``--pool-tokens``): sto
 through ``SamplingParams.extra_args`` (by default the uniform ``critical_snapkv`` and the head-wise
 ``critical_adakv_snapkv``, whose rows also give their ratios to the uniform press at the same ratio), and for each
 nonzero ``--chunk-sizes`` value the uniform presses compressed after every prompt chunk of that many tokens (rows
-``<press> <ratio> chunk <size>``, with their ratios to the same press compressed once after the prompt). Every run
+``<press> <ratio> chunk <size>``, with their ratios to the same press compressed once after the prompt). With
+``--compression-interval`` and ``--target-size`` every uniform row gets a twin compressed while decoding too (kvpress's
+``DecodingPress``: every interval of generated tokens back to ``target_size`` entries per head; rows ``... decode
+I/T``; at ratio 0 the prompt stays whole and only the generation is compressed). Every run
 submits the same ``--requests`` requests at once (prompts of ``--min-prompt``..``--max-prompt`` tokens,
 ``--min-new``..``--max-new`` new tokens, end of sequence ignored, greedy) and steps the engine until all are done;
 runs are interleaved (stock, then each ratio and press, ``--repeats`` times) and the
 table reports the median over repeats and the ratios to stock vLLM measured in the same repeat. Reported: peak
 requests running at once, preemptions, requests/s, output tokens/s, mean and p90 time per output token (per request:
-from its first to its last token) and mean time to first token.
+from its first to its last token) and mean time to first token. ``--lone-prompt N`` adds, per configuration, the time
+to the first token of one ``N``-token prompt alone in the engine (what compressing after every chunk costs a prefill).
 
 Run it in the plugin's environment (``make bench-vllm BENCH_VLLM_ARGS="..."``):
 
     python benchmarks/bench_vllm.py                                # SmolLM2, CPU, float32, 24 requests
     python benchmarks/bench_vllm.py --quick                        # tiny sizes: the logic, not numbers
+    python benchmarks/bench_vllm.py --presses critical_snapkv --ratios 0,0.75 --requests 8 --min-prompt 128 \
+        --max-prompt 256 --min-new 512 --max-new 1536 --pool-tokens 1792 --compression-interval 128 --target-size 256
+                                                                   # long generations
 """
 
 import argparse
@@ -57,15 +64,37 @@ def workload(ids: list[int], args, seed: int = 0) -> list[tuple[list[int], int]]
     return requests
 
 
-def run(llm, requests, press: tuple | None, tag: str) -> dict:
+def request_options(press: tuple | None) -> dict | None:
+    """The plugin's per-request options of a configuration ``(name, ratio, chunk_size, interval, target)``."""
+    if press is None:
+        return None
+    name, ratio, chunk, interval, target = press
+    options = {"press": name, "compression_ratio": ratio, "chunk_size": chunk}
+    if interval:
+        options.update(compression_interval=interval, target_size=target)
+    return {"kvpress_critical": options}
+
+
+def lone_ttft(llm, prompt: list[int], press: tuple | None, tag: str) -> float:
+    """Seconds from submitting one prompt alone to its first token."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, extra_args=request_options(press))
+    llm.llm_engine.add_request(tag, {"prompt_token_ids": prompt}, params)
+    start = time.perf_counter()
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    return time.perf_counter() - start
+
+
+def run(llm, requests, press: tuple | None, tag: str, lone: list[int] | None = None) -> dict:
     """Submit every request at once, step until all are done; what the scheduler and the clock saw. ``press``:
-    ``(name, ratio, chunk_size)`` of the plugin's requests (None: stock vLLM)."""
+    ``(name, ratio, chunk_size, compression_interval, target_size)`` of the plugin's requests (None: stock vLLM).
+    ``lone``: a prompt whose time to first token alone is measured after them."""
     from vllm import SamplingParams
 
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    extra = None
-    if press is not None:
-        extra = {"kvpress_critical": {"press": press[0], "compression_ratio": press[1], "chunk_size": press[2]}}
+    extra = request_options(press)
     for i, (prompt, new_tokens) in enumerate(requests):
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, extra_args=extra)
         llm.llm_engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
@@ -94,14 +123,16 @@ def run(llm, requests, press: tuple | None, tag: str) -> dict:
         "tpot_ms_mean": 1000 * statistics.fmean(tpot),
         "tpot_ms_p90": 1000 * tpot[min(len(tpot) - 1, int(0.9 * len(tpot)))],
         "ttft_s_mean": statistics.fmean(first[r] - start for r in first),
+        "lone_ttft_s": lone_ttft(llm, lone, press, f"{tag}-lone") if lone else float("nan"),
     }
 
 
 HEADER = ["engine / press ratio", "peak running", "vs vLLM", "preempted", "requests/s", "output tok/s", "vs vLLM",
-          "TPOT mean ms", "TPOT p90 ms", "TTFT mean s", "vs uniform / prefill-only: peak, tok/s, TPOT"]  # fmt: skip
+          "TPOT mean ms", "TPOT p90 ms", "TTFT mean s", "lone TTFT s",
+          "vs uniform / prefill-only: peak, tok/s, TPOT, TTFT, lone TTFT"]  # fmt: skip
 UNIFORM = "critical_snapkv"  # the head-wise rows are compared with this press at the same ratio
 METRICS = ("peak_running", "preempted", "requests_per_s", "output_tokens_per_s", "tpot_ms_mean", "tpot_ms_p90",
-           "ttft_s_mean")  # fmt: skip
+           "ttft_s_mean", "lone_ttft_s")  # fmt: skip
 
 
 def ratio_to(measured: dict, name: str, base: str, metric: str) -> float:
@@ -122,6 +153,8 @@ def summarise(measured: dict, configs: list) -> tuple[list[dict], list[list]]:
             "press": press[0] if press else "",
             "ratio": ratio or 0.0,
             "chunk_size": press[2] if press else 0,
+            "compression_interval": press[3] if press else 0,
+            "target_size": press[4] if press else 0,
             **median,
             "repeats": len(measured[name]),
             "output_throughput_vs_vllm": statistics.median(
@@ -131,19 +164,24 @@ def summarise(measured: dict, configs: list) -> tuple[list[dict], list[list]]:
                 ours["peak_running"] / base["peak_running"] for ours, base in pairs
             ),
         }
-        # head-wise rows against the uniform press, chunked rows against their press compressed after the prompt
-        uniform = f"{UNIFORM} {ratio}" if press is None or not press[2] else f"{press[0]} {ratio}"
+        # head-wise rows against the uniform press, chunked or decoding rows against their press compressed once
+        # after the prompt
+        uniform = f"{UNIFORM} {ratio}" if press is None or not (press[2] or press[3]) else f"{press[0]} {ratio}"
         versus = ""
         if ratio and name != uniform and uniform in measured:
             row.update(
                 peak_running_vs_uniform=ratio_to(measured, name, uniform, "peak_running"),
                 output_throughput_vs_uniform=ratio_to(measured, name, uniform, "output_tokens_per_s"),
                 tpot_vs_uniform=ratio_to(measured, name, uniform, "tpot_ms_mean"),
+                ttft_vs_uniform=ratio_to(measured, name, uniform, "ttft_s_mean"),
+                lone_ttft_vs_uniform=ratio_to(measured, name, uniform, "lone_ttft_s"),
             )
-            versus = (
-                f"{fmt(row['peak_running_vs_uniform'])}x, {fmt(row['output_throughput_vs_uniform'])}x, "
-                f"{fmt(row['tpot_vs_uniform'])}x"
-            )
+            versus = ", ".join(
+                f"{fmt(row[key])}x"
+                for key in ("peak_running_vs_uniform", "output_throughput_vs_uniform", "tpot_vs_uniform",
+                            "ttft_vs_uniform", "lone_ttft_vs_uniform")
+                if row[key] == row[key]  # not NaN (no lone prompt)
+            )  # fmt: skip
         rows.append(row)
         goal = "" if not ratio else f" (goal {0.9 / (1 - ratio):.2f})"
         table.append(
@@ -158,6 +196,7 @@ def summarise(measured: dict, configs: list) -> tuple[list[dict], list[list]]:
                 fmt(row["tpot_ms_mean"], 1),
                 fmt(row["tpot_ms_p90"], 1),
                 fmt(row["ttft_s_mean"], 1),
+                fmt(row["lone_ttft_s"], 2) if row["lone_ttft_s"] == row["lone_ttft_s"] else "",
                 versus,
             ]
         )
@@ -170,6 +209,9 @@ def main(argv=None) -> int:
     parser.add_argument("--presses", default="critical_snapkv,critical_adakv_snapkv", help="comma-separated")
     parser.add_argument("--ratios", default="0.5,0.75")
     parser.add_argument("--chunk-sizes", default="0", help="comma-separated chunk_size values; 0: after the prompt")
+    parser.add_argument("--compression-interval", type=int, default=0, help="with --target-size: decoding rows too")
+    parser.add_argument("--target-size", type=int, default=0, help="entries per head kept while decoding")
+    parser.add_argument("--lone-prompt", type=int, default=0, help="TTFT of one prompt of this many tokens alone")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--min-prompt", type=int, default=1024)
     parser.add_argument("--max-prompt", type=int, default=2048)
@@ -184,6 +226,10 @@ def main(argv=None) -> int:
     if args.quick:
         args.requests, args.min_prompt, args.max_prompt, args.min_new, args.max_new = 4, 200, 300, 8, 16
         args.pool_tokens, args.repeats = 1024, 1
+        if args.compression_interval:  # one compaction while decoding
+            args.min_new, args.max_new = args.compression_interval + 8, args.compression_interval + 16
+    if bool(args.compression_interval) != bool(args.target_size):
+        parser.error("--compression-interval and --target-size go together (kvpress's DecodingPress needs both)")
     if not args.model:
         parser.error("--model (or KVPRESS_CRITICAL_VLLM_MODEL): a model folder vLLM loads (make bench-vllm sets it)")
     from transformers import AutoConfig, AutoTokenizer
@@ -197,32 +243,40 @@ def main(argv=None) -> int:
     pool_bytes = (blocks + 1) * args.block_size * token_bytes  # and vLLM's null block
     common = dict(
         model=args.model, dtype=args.dtype, enforce_eager=True, block_size=args.block_size, seed=0,
-        max_model_len=args.max_prompt + args.max_new, kv_cache_memory_bytes=pool_bytes, enable_prefix_caching=False,
+        max_model_len=max(args.max_prompt + args.max_new, args.lone_prompt + 1), kv_cache_memory_bytes=pool_bytes,
+        enable_prefix_caching=False,
     )  # fmt: skip
     stock = LLM(**common)  # first: its layers take vLLM's own attention backend
     plugin = LLM(**common, additional_config={"kvpress_critical": {"compression_ratio": 0.0}})
-    requests = workload(text_ids(AutoTokenizer.from_pretrained(args.model)), args)
+    ids = text_ids(AutoTokenizer.from_pretrained(args.model))
+    requests = workload(ids, args)
+    lone = (ids * (1 + args.lone_prompt // len(ids)))[: args.lone_prompt] if args.lone_prompt else None
     ratios = [float(r) for r in args.ratios.split(",")]
     presses = args.presses.split(",")
     chunks = [int(c) for c in args.chunk_sizes.split(",")]
+    decoding = [(0, 0)] + ([(args.compression_interval, args.target_size)] if args.compression_interval else [])
     configs = [("vLLM", stock, None)] + [
-        (f"{press} {r}" + (f" chunk {c}" if c else ""), plugin, (press, r, c))
+        (f"{press} {r}" + (f" chunk {c}" if c else "") + (f" decode {i}/{t}" if i else ""), plugin, (press, r, c, i, t))
         for r in ratios
         for press in presses
         for c in chunks
-        if not (c and "adakv" in press)  # head-wise presses refuse chunk_size
+        for i, t in decoding
+        if not ((c or i) and "adakv" in press)  # head-wise presses refuse chunk_size and decoding
+        and (r or i)  # ratio 0 without decoding compresses nothing
     ]
     measured = {name: [] for name, _, _ in configs}
     stem = output_stem(args, "vllm")
     with tqdm(total=args.repeats * len(configs), desc="runs") as progress:
         for repeat in range(args.repeats):
             for name, llm, ratio in configs:
-                measured[name].append(run(llm, requests, ratio, f"{repeat}-{name}"))
+                measured[name].append(run(llm, requests, ratio, f"{repeat}-{name}", lone))
                 progress.update()
             rows, table = summarise(measured, configs)
             details = (
                 f"{args.requests} requests submitted at once, prompts of {args.min_prompt}-{args.max_prompt} tokens, "
-                f"{args.min_new}-{args.max_new} new tokens (end of sequence ignored, greedy); one KV pool of "
+                f"{args.min_new}-{args.max_new} new tokens (end of sequence ignored, greedy)"
+                + (f", then one {args.lone_prompt}-token prompt alone (lone TTFT)" if lone else "")
+                + "; one KV pool of "
                 f"{blocks} blocks of {args.block_size} tokens ({args.pool_tokens} tokens, {args.dtype}) for both "
                 f"engines; engines in one process, enforce_eager, no prefix caching; medians of {repeat + 1} "
                 "interleaved repeats, ratios to stock vLLM measured in the same repeat"

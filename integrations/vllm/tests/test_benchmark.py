@@ -13,13 +13,19 @@ pytestmark = pytest.mark.slow
 def test_bench_vllm_quick_writes_its_table(tmp_path):
     env = dict(os.environ, KVPRESS_CRITICAL_VLLM_MODEL=model_path())
     script = REPO / "benchmarks" / "bench_vllm.py"
-    command = [sys.executable, str(script), "--quick", "--chunk-sizes", "0,128", "--out-dir", str(tmp_path)]
+    command = [sys.executable, str(script), "--quick", "--ratios", "0,0.75", "--chunk-sizes", "0,128",
+               "--compression-interval", "72", "--target-size", "64", "--lone-prompt", "300", "--out-dir",
+               str(tmp_path)]  # fmt: skip
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     table = (tmp_path / "vllm_cpu.md").read_text()
     assert "| vLLM |" in table and "| critical_snapkv 0.75 |" in table and "| critical_adakv_snapkv 0.75 |" in table
     assert "| critical_snapkv 0.75 chunk 128 |" in table and "| critical_adakv_snapkv 0.75 chunk" not in table
-    assert (tmp_path / "vllm_cpu.csv").read_text().count("\n") == 8  # a header and seven configurations
+    assert "| critical_snapkv 0.75 chunk 128 decode 72/64 |" in table
+    assert "| critical_snapkv 0.0 decode 72/64 |" in table and "| critical_snapkv 0.0 |" not in table
+    assert "| critical_adakv_snapkv 0.75 decode" not in table and "| critical_adakv_snapkv 0.0" not in table
+    # stock vLLM, 2 decoding-only rows at ratio 0, 4 uniform rows and the head-wise row at 0.75: a header and 8 rows
+    assert (tmp_path / "vllm_cpu.csv").read_text().count("\n") == 9
 
 
 def test_bench_vllm_quality_quick_writes_its_table(tmp_path):
