@@ -69,6 +69,11 @@ class Eviction:
         return self.evicted > self.start
 
 
+def blocks_for(n_tokens: int, block_size: int) -> int:
+    """The blocks ``n_tokens`` positions from a block boundary take: ``ceil(n_tokens / block_size)``."""
+    return -(-n_tokens // block_size)
+
+
 def whole_blocks_over(seen: int, start: int, budget: int, block_size: int) -> int:
     """Positions a request holding ``start .. seen - 1`` can evict in whole blocks and keep at least ``budget``
     entries per head: ``floor((seen - start - budget) / block_size) * block_size``, 0 when not one block."""
@@ -163,9 +168,9 @@ def blocks_held_at_most(stages: tuple[Eviction, ...], n_tokens: int, block_size:
     """
     peak, evicted = 0, 0
     for stage in stages:
-        peak = max(peak, -(-stage.seen // block_size) - evicted // block_size)
+        peak = max(peak, blocks_for(stage.seen, block_size) - evicted // block_size)
         evicted = stage.evicted
-    return max(peak, -(-n_tokens // block_size) - evicted // block_size)
+    return max(peak, blocks_for(n_tokens, block_size) - evicted // block_size)
 
 
 class Schedule:
@@ -240,14 +245,13 @@ def hold_bound(options: CompressionOptions, max_len: int, block_size: int) -> in
     ratio, interval = options.compression_ratio, options.compression_interval
     chunk = options.chunk_size + (options.window_size if options.needs_queries else 0)
 
-    def blocks(entries: int) -> int:
-        return -(-(entries + block_size - 1) // block_size)
+    def blocks(entries: int) -> int:  # entries kept after a compaction, with at most one block of rounding
+        return blocks_for(entries + block_size - 1, block_size)
 
     prefill = blocks(compute_n_kept(max(1, max_len - chunk), ratio) + chunk)
     decoding = blocks(max(compute_n_kept(max(1, max_len - interval), ratio), options.target_size) + interval)
-    bound = max(prefill, decoding) + -(-chunk // block_size) + 1
-    whole = -(-max_len // block_size)
-    return bound if bound < whole else None
+    bound = max(prefill, decoding) + blocks_for(chunk, block_size) + 1
+    return bound if bound < blocks_for(max_len, block_size) else None
 
 
 def check_hold(options: CompressionOptions, max_len: int, block_size: int, pool_blocks: int, where: str) -> None:
@@ -256,7 +260,7 @@ def check_hold(options: CompressionOptions, max_len: int, block_size: int, pool_
     reaches ``max_len`` tokens: it could then never be scheduled. Nothing to check when ``max_len`` tokens fit in the
     pool; otherwise the message names the option to set or lower.
     """
-    whole = -(-max_len // block_size)
+    whole = blocks_for(max_len, block_size)
     if whole <= pool_blocks:
         return
     bound = hold_bound(options, max_len, block_size)

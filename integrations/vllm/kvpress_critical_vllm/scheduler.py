@@ -28,7 +28,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request, RequestStatus
 
-from kvpress_critical_vllm.budget import Eviction, Schedule, blocks_held_at_most
+from kvpress_critical_vllm.budget import Eviction, Schedule, blocks_for, blocks_held_at_most
 from kvpress_critical_vllm.engine_config import EngineConfigError
 from kvpress_critical_vllm.kv_spec import CompressedFullAttentionSpec
 from kvpress_critical_vllm.metrics import MetricsWriter
@@ -138,7 +138,7 @@ class CompressingSchedulerMixin:
                 "check and concurrency figures read that bound, and a request whose own options could hold more than "
                 "the pool's %d blocks is refused",
                 bound, options.chunk_size, options.compression_interval, options.target_size,
-                options.compression_ratio, -(-max_model_len // spec.block_size), max_model_len,
+                options.compression_ratio, blocks_for(max_model_len, spec.block_size), max_model_len,
                 self.kv_cache_config.num_blocks - 1,
             )  # fmt: skip
 
