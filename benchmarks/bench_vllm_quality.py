@@ -10,6 +10,14 @@ share of its ``--max-new`` tokens equal position by position) and the share of a
 (RULER's string match); and, for each head-wise press (``adakv_``), the paired difference with its uniform press at the
 same ratio, with a 95 % cluster bootstrap interval over contexts (``evaluation/bootstrap.py``).
 
+The schedules (docs/vllm.md, "Prompts and generations longer than the pool"): ``--chunk-size`` adds, for every
+uniform press and ratio, a row compressed after every prompt chunk (``chunk C``); ``--compression-interval`` and
+``--target-size`` add one compressed while decoding too (``decode I/T``, after the whole prompt or, with
+``--chunk-size``, after every chunk), and at ratio 0 one where only the generation is compressed. Each schedule row is
+compared with the same press compressed once after the prompt (at ratio 0: with the uncompressed engine). Decoding
+compactions only happen in answers longer than the interval: ``--ignore-eos`` makes every answer ``--max-new`` tokens
+long. The head-wise presses compress once after the prompt (they refuse the schedules).
+
 Run it in the plugin's environment (``make bench-vllm-quality``, or
 ``python benchmarks/bench_vllm_quality.py --out-dir results/benchmarks``); ``--quick`` checks the logic on tiny sizes.
 """
@@ -30,7 +38,7 @@ from common import fmt, markdown_table, output_stem, parse_arguments, result_hea
 
 logger = logging.getLogger("bench_vllm_quality")
 
-HEADER = ["press", "ratio", "token agreement", "answers right", "head-wise - uniform agreement [95 % CI]"]
+HEADER = ["press", "ratio", "token agreement", "answers right", "agreement minus the baseline's [95 % CI]"]
 
 
 def agreement(tokens: list[int], reference: list[int]) -> float:
@@ -45,6 +53,34 @@ def right(text: str, answers) -> float:
     return float(all(str(answer).lower() in text.lower() for answer in answers))
 
 
+def configurations(presses: list[str], ratios: list[float], chunk: int, interval: int, target: int) -> list[tuple]:
+    """
+    Every configuration as ``(label, press, ratio, options, baseline label)``: the uncompressed engine, each press and
+    ratio compressed after the prompt, and each uniform press's schedules (chunks, decoding) beside it.
+    """
+    decode = {"compression_interval": interval, "target_size": target} if interval else None
+    configs = [("uncompressed", "uncompressed", 0.0, {}, None)]
+    if decode:  # only the generation is compressed
+        configs += [(f"{p} decode {interval}/{target}", p, 0.0, {"press": p, **decode}, "uncompressed")
+                    for p in presses if "adakv_" not in p]  # fmt: skip
+    for ratio in ratios:
+        for press in presses:
+            head_wise = "adakv_" in press
+            baseline = press.replace("adakv_", "") if head_wise else None
+            configs.append((press, press, ratio, {"press": press}, baseline))
+            if head_wise:
+                continue
+            schedules = []
+            if chunk:
+                schedules.append((f"{press} chunk {chunk}", {"chunk_size": chunk}))
+            if decode:
+                schedules.append((f"{press} decode {interval}/{target}", dict(decode)))
+            if chunk and decode:
+                schedules.append((f"{press} chunk {chunk} decode {interval}/{target}", {"chunk_size": chunk, **decode}))
+            configs += [(label, press, ratio, {"press": press, **extra}, press) for label, extra in schedules]
+    return configs
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=os.environ.get("KVPRESS_CRITICAL_VLLM_MODEL"), help="a folder vLLM loads")
@@ -55,12 +91,18 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--chunk-size", type=int, default=0, help="add rows compressed after every chunk of this size")
+    parser.add_argument("--compression-interval", type=int, default=0, help="add rows compressed while decoding too")
+    parser.add_argument("--target-size", type=int, default=0, help="entries per head kept while decoding")
+    parser.add_argument("--ignore-eos", action="store_true", help="every answer --max-new tokens long")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (the logic, not the numbers)")
     args = parse_arguments(parser, argv)
     if args.quick:
         args.contexts, args.context_length, args.ratios = 2, 384, "0.5"
     if not args.model:
         parser.error("--model (or KVPRESS_CRITICAL_VLLM_MODEL): a model folder vLLM loads")
+    if bool(args.compression_interval) != bool(args.target_size):
+        parser.error("--compression-interval and --target-size go together (compression while decoding needs both)")
     import numpy as np
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -86,13 +128,15 @@ def main(argv=None) -> int:
         enable_prefix_caching=False, additional_config={"kvpress_critical": {"compression_ratio": 0.0}},
     )  # fmt: skip
     ratios = [float(r) for r in args.ratios.split(",")]
-    configs = [("uncompressed", 0.0)] + [(p, r) for r in ratios for p in args.presses.split(",")]
+    configs = configurations(
+        args.presses.split(","), ratios, args.chunk_size, args.compression_interval, args.target_size
+    )
     answers = {}
-    for press, ratio in tqdm(configs, desc="configurations"):
-        extra = {"kvpress_critical": {"compression_ratio": ratio, **({} if ratio == 0 else {"press": press})}}
-        params = SamplingParams(max_tokens=args.max_new, temperature=0, extra_args=extra)
+    for label, _, ratio, options, _ in tqdm(configs, desc="configurations"):
+        extra = {"kvpress_critical": {"compression_ratio": ratio, **options}}
+        params = SamplingParams(max_tokens=args.max_new, temperature=0, ignore_eos=args.ignore_eos, extra_args=extra)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        answers[(press, ratio)] = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outputs]
+        answers[(label, ratio)] = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outputs]
     reference = answers[("uncompressed", 0.0)]
     clusters = data["context_id"].to_numpy()
     scores = {}
@@ -102,26 +146,43 @@ def main(argv=None) -> int:
             np.array([right(text, row.answer) for (_, text), row in zip(results, data.itertuples())]),
         )
     rows, table = [], []
-    for press, ratio in configs:
-        agree, correct = scores[(press, ratio)]
-        row = {"press": press, "ratio": ratio, "token_agreement": float(agree.mean()), "right": float(correct.mean())}
+    for label, press, ratio, options, baseline in configs:
+        agree, correct = scores[(label, ratio)]
+        row = {"configuration": label, "press": press, "ratio": ratio, "chunk_size": options.get("chunk_size", 0),
+               "compression_interval": options.get("compression_interval", 0),
+               "target_size": options.get("target_size", 0), "token_agreement": float(agree.mean()),
+               "right": float(correct.mean())}  # fmt: skip
         interval = ""
-        if "adakv_" in press:
-            uniform = press.replace("adakv_", "")
-            diff = paired_bootstrap(mean_difference, agree, scores[(uniform, ratio)][0], clusters=clusters)
-            row.update(vs_uniform=diff.estimate, vs_uniform_low=diff.low, vs_uniform_high=diff.high)
-            interval = f"{diff.format(3)} (vs {uniform})"
+        if baseline is not None:
+            base_ratio = 0.0 if baseline == "uncompressed" else ratio
+            diff = paired_bootstrap(mean_difference, agree, scores[(baseline, base_ratio)][0], clusters=clusters)
+            row.update(baseline=baseline, vs_baseline=diff.estimate, vs_baseline_low=diff.low,
+                       vs_baseline_high=diff.high)  # fmt: skip
+            named = baseline if baseline == "uncompressed" or "adakv_" in press else f"{baseline} after the prompt"
+            interval = f"{diff.format(3)} (vs {named})"
         rows.append(row)
-        table.append([press, fmt(ratio), fmt(row["token_agreement"], 3), fmt(row["right"], 3), interval])
+        table.append([label, fmt(ratio), fmt(row["token_agreement"], 3), fmt(row["right"], 3), interval])
+    schedules = ""
+    if args.chunk_size or args.compression_interval:
+        schedules = (
+            "; schedules: `chunk C` compressed after every C-token prompt chunk, `decode I/T` every I generated tokens "
+            "back to T entries per head, compared with the same press compressed once after the prompt"
+        )
     details = (
         f"{len(data)} questions over {args.contexts} contexts of {args.context_length} tokens (the quality prose, five "
-        f"questions each), greedy, {args.max_new} new tokens, {args.dtype}, blocks of {args.block_size}; agreement "
-        "with the uncompressed engine's answer, share of answers holding the expected value; intervals: paired "
-        f"cluster bootstrap over contexts. Mean question tokens {statistics.fmean(map(len, prompts)):.0f}"
+        f"questions each), greedy, {args.max_new} new tokens{' (end of sequence ignored)' if args.ignore_eos else ''}, "
+        f"{args.dtype}, blocks of {args.block_size}; agreement with the uncompressed engine's answer, share of answers "
+        "holding the expected value; last column: agreement minus the baseline's on the same questions (head-wise vs "
+        f"uniform{schedules}), paired cluster bootstrap over contexts. Mean question tokens "
+        f"{statistics.fmean(map(len, prompts)):.0f}"
     )
     title = "kvpress-critical's vLLM plugin: answers kept under uniform and head-wise budgets"
+    name = "vllm_quality"
+    if schedules:
+        title = "kvpress-critical's vLLM plugin: answers kept by each compression schedule"
+        name = "vllm_quality_schedules"
     markdown = result_header(title, args.device, details, model=Path(args.model).name)
-    write_results(output_stem(args, "vllm_quality"), rows, markdown + markdown_table(HEADER, table) + "\n")
+    write_results(output_stem(args, name), rows, markdown + markdown_table(HEADER, table) + "\n")
     print(markdown_table(HEADER, table))
     return 0
 

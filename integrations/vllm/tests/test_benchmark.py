@@ -31,9 +31,19 @@ def test_bench_vllm_quick_writes_its_table(tmp_path):
 def test_bench_vllm_quality_quick_writes_its_table(tmp_path):
     env = dict(os.environ, KVPRESS_CRITICAL_VLLM_MODEL=model_path())
     script = REPO / "benchmarks" / "bench_vllm_quality.py"
-    command = [sys.executable, str(script), "--quick", "--out-dir", str(tmp_path)]
+    command = [sys.executable, str(script), "--quick", "--presses", "critical_snapkv,critical_adakv_snapkv,snapkv",
+               "--chunk-size", "128", "--compression-interval", "72", "--target-size", "96", "--ignore-eos",
+               "--max-new", "80", "--out-dir", str(tmp_path)]  # fmt: skip
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
-    table = (tmp_path / "vllm_quality_cpu.md").read_text()
+    table = (tmp_path / "vllm_quality_schedules_cpu.md").read_text()
     assert "| uncompressed | 0.00 | 1.000 |" in table  # the reference agrees with itself
-    assert "(vs critical_snapkv)" in table and "(vs snapkv)" in table
+    assert "(vs critical_snapkv) |" in table  # the head-wise press against its uniform one
+    assert "| critical_adakv_snapkv chunk" not in table and "| critical_adakv_snapkv decode" not in table
+    for press in ("critical_snapkv", "snapkv"):
+        assert f"| {press} decode 72/96 | 0.00 |" in table  # only the generation compressed
+        for schedule in ("chunk 128", "decode 72/96", "chunk 128 decode 72/96"):
+            assert f"| {press} {schedule} | 0.50 |" in table
+    assert table.count("(vs critical_snapkv after the prompt)") == 3 and table.count("(vs uncompressed)") == 2
+    # uncompressed, 2 decoding-only rows, 3 presses at 0.5 and 2 x 3 schedules: a header and 12 rows
+    assert (tmp_path / "vllm_quality_schedules_cpu.csv").read_text().count("\n") == 13
