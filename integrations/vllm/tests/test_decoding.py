@@ -159,7 +159,7 @@ def test_long_generations_run_at_once_in_bounded_memory(prompt_ids):
 def test_a_prompt_and_a_generation_longer_than_the_pool_are_served(prompt_ids):
     """A pool of 32 blocks (1024 tokens) and a max_model_len of 3072: with chunk_size, compression_interval and
     target_size engine-wide a request holds at most ``hold_bound`` blocks, which vLLM's start-up check reads. A
-    2400-token prompt (2.3 times the pool) and a 1400-token generation (1.6 times the pool with its prompt) are
+    2400-token prompt (2.3 times the pool) and a 1600-token generation (1.6 times the pool by itself) are
     served, every request within the bound at every step; a request whose own options would hold its prompt whole
     is refused when it is made."""
     from kvpress_critical_vllm.budget import blocks_held_at_most, hold_bound
@@ -176,7 +176,7 @@ def test_a_prompt_and_a_generation_longer_than_the_pool_are_served(prompt_ids):
     with pytest.raises(VLLMValidationError, match="chunk_size"):
         llm.generate([{"prompt_token_ids": prompt_ids[:100]}], [params({"chunk_size": 0}, 8)])
     long_prompt = (prompt_ids * 2)[:2400]
-    requests = {"long-prompt": (long_prompt, 64), "long-generation": (prompt_ids[300:500], 1400)}
+    requests = {"long-prompt": (long_prompt, 64), "long-generation": (prompt_ids[300:500], 1600)}
     for name, (prompt, new_tokens) in requests.items():
         llm.llm_engine.add_request(name, {"prompt_token_ids": prompt}, params({}, new_tokens))
     ids = {rid.rpartition("-")[0]: rid for rid in scheduler.requests}
