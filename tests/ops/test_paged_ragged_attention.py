@@ -11,6 +11,7 @@ Triton runs in its interpreter on CPU (tiny shapes) and is compiled ahead of tim
 
 import pytest
 import torch
+from covering import grid
 from op_helpers import triton_aot_rows
 
 from kvpress_critical.ops.paged_ragged_attention import (
@@ -55,13 +56,15 @@ def check(backend, bsz, group, q_len, head_dim, block_size, dtype):
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=atol + rtol * 4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("head_dim", [64, 80, 128])
-@pytest.mark.parametrize("group", [1, 4, 7])
-@pytest.mark.parametrize("q_len", [1, 6])
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("bsz", [1, 3])
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+# every pair of values and every backend x block_size x q_len (the region and tail reads; the micro-kernels are
+# ragged_attention's, covered by its own grid); the full product with --full-grid
+GRID = dict(
+    backend=CPU_BACKENDS, bsz=[1, 3], block_size=[8, 16, 32], q_len=[1, 6], group=[1, 4, 7], head_dim=[64, 80, 128],
+    dtype=[torch.float32, torch.bfloat16],
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(",".join(GRID), grid(GRID, stronger=[("backend", "block_size", "q_len")]))
 def test_cpu_backends_match_reference(backend, bsz, block_size, q_len, group, head_dim, dtype):
     check(backend, bsz, group, q_len, head_dim, block_size, dtype)
 

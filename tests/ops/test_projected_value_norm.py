@@ -12,6 +12,7 @@ import logging
 
 import pytest
 import torch
+from covering import grid
 from op_helpers import (
     DTYPES,
     GROUPS,
@@ -222,10 +223,12 @@ def check_against_reference(names, device, dtype, k_len, head_dim, group):
             assert_within_bound(out, values, weight, heads, norm, name, f"{dtype} T={k_len} d={head_dim} G={group}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("k_len", TOKENS)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("group", GROUPS)
+# every pair of values and every dtype x k_len x head_dim (the C++ kernel's tiles and their tails); the full product
+# with --full-grid
+CPP_GRID = dict(dtype=DTYPES, k_len=TOKENS, head_dim=HEAD_DIMS, group=GROUPS)
+
+
+@pytest.mark.parametrize(",".join(CPP_GRID), grid(CPP_GRID, stronger=[("dtype", "k_len", "head_dim")]))
 def test_cpp_backend_matches_reference(dtype, k_len, head_dim, group):
     ok, reason = usable("cpp")
     if not ok:

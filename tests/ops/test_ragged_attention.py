@@ -12,6 +12,7 @@ import types
 
 import pytest
 import torch
+from covering import grid
 from op_helpers import triton_aot_rows
 
 from kvpress_critical.ops.extension import cpp_availability
@@ -68,12 +69,17 @@ def usable(name):
 CPU_BACKENDS = [n for n in ("torch", "cpp") if RAGGED_ATTENTION[n].availability() is None]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("head_dim", [64, 80, 128])
-@pytest.mark.parametrize("group", [1, 4, 7])
-@pytest.mark.parametrize("q_len", [1, 6, 20])  # 20: the torch backend's per-segment sdpa path (a prefill chunk)
-@pytest.mark.parametrize("bsz", [1, 3])
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+# the grid of the float entries: a covering array (tests/covering.py) of every pair of values, every backend x dtype x
+# head_dim (the C++ kernel's micro-kernels) and every backend x q_len x group (its query loading; 20: the torch
+# backend's per-segment sdpa path, a prefill chunk); the full product with --full-grid
+FLOAT_GRID = dict(
+    backend=CPU_BACKENDS, bsz=[1, 3], q_len=[1, 6, 20], group=[1, 4, 7], head_dim=[64, 80, 128],
+    dtype=[torch.float32, torch.bfloat16],
+)  # fmt: skip
+FLOAT_STRONGER = [("backend", "dtype", "head_dim"), ("backend", "q_len", "group")]
+
+
+@pytest.mark.parametrize(",".join(FLOAT_GRID), grid(FLOAT_GRID, stronger=FLOAT_STRONGER))
 def test_cpu_backends_match_reference(backend, bsz, q_len, group, head_dim, dtype):
     check(backend, bsz, group, q_len, head_dim, dtype)
 
@@ -197,13 +203,16 @@ def check_quantized(backend, bsz, group, q_len, head_dim, dtype, fmt, **kw):
     torch.testing.assert_close(out.cpu().double(), ref, rtol=0, atol=atol + rtol * values_scale)
 
 
-@pytest.mark.parametrize("fmt", list(SPECS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("head_dim", [64, 80, 128, 20])  # 20: no full vector of int4 bytes on AVX-512
-@pytest.mark.parametrize("group", [1, 4, 7])
-@pytest.mark.parametrize("q_len", [1, 6, 20])
-@pytest.mark.parametrize("bsz", [1, 3])
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+# the grid of the quantized entries: every pair of values, every backend x format x head_dim (the code decoders; 20: no
+# full vector of int4 bytes on AVX-512) and every backend x format x dtype; the full product with --full-grid
+QUANTIZED_GRID = dict(
+    backend=CPU_BACKENDS, bsz=[1, 3], q_len=[1, 6, 20], group=[1, 4, 7], head_dim=[64, 80, 128, 20],
+    dtype=[torch.float32, torch.bfloat16], fmt=list(SPECS),
+)  # fmt: skip
+QUANTIZED_STRONGER = [("backend", "fmt", "head_dim"), ("backend", "fmt", "dtype")]
+
+
+@pytest.mark.parametrize(",".join(QUANTIZED_GRID), grid(QUANTIZED_GRID, stronger=QUANTIZED_STRONGER))
 def test_quantized_entries_match_the_reference(backend, bsz, q_len, group, head_dim, dtype, fmt):
     check_quantized(backend, bsz, q_len=q_len, group=group, head_dim=head_dim, dtype=dtype, fmt=fmt)
 
