@@ -152,11 +152,17 @@ def head_scores(model, slope: float = 0.0) -> dict:
 REPO = Path(__file__).resolve().parents[1]
 
 
+def evaluate_command(*args: str, env: dict | None = None) -> tuple[list[str], dict, Path]:
+    """``(command, environment, folder)`` of ``bash evaluation/evaluate.sh ARGS`` from the repository, offline, with
+    this interpreter."""
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHON=sys.executable, **(env or {}))
+    return ["bash", str(REPO / "evaluation" / "evaluate.sh"), *args], full_env, REPO
+
+
 def evaluate(*args: str, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
     """``bash evaluation/evaluate.sh ARGS`` from the repository, offline, with this interpreter."""
-    full_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHON=sys.executable, **(env or {}))
-    command = ["bash", str(REPO / "evaluation" / "evaluate.sh"), *args]
-    return subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    command, full_env, cwd = evaluate_command(*args, env=env)
+    return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
 # The evaluation tests' smoke preset (conftest's smoke_sweep runs it once per session with the local launcher).

@@ -2,14 +2,14 @@
 installs with --no-index into a clean target for the node's Python (3.12), and the results are the script's six files.
 
 The wheel set is the one `make install` prepares in .whl/ (benchmarks/gpu_wheels.sh): nothing is downloaded while the
-tests run (without it the tests fail and say so)."""
+tests run (without it the tests fail and say so). The dry run is a background job (tests/background.py)."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import background
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,20 +32,19 @@ def test_wheel_set(wheels):
     assert sum(p.stat().st_size for p in wheels.glob("*.whl")) < 40 * 2**20
 
 
-def test_dry_run_walks_every_step(wheels, tmp_path):
-    results = tmp_path / "out"
-    env = dict(os.environ, DRY_RUN="1", PY=sys.executable, WHEELS=str(wheels), BUDGET_S="600")
+@background.job("gpu-check-dry-run", order=1)
+def dry_run_job(tmp_path_factory) -> background.Job:
+    results = tmp_path_factory.mktemp("gpu-check") / "out"
+    env = dict(os.environ, DRY_RUN="1", PY=sys.executable, WHEELS=str(ROOT / ".whl"), BUDGET_S="600")
     env.pop("TRITON_INTERPRET", None)  # the script sets it for its own steps
-    result = subprocess.run(
-        ["bash", "benchmarks/gpu_check.sh", str(results)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    log = result.stdout + result.stderr
-    assert result.returncode == 0, log[-3000:]
+    return background.Job(["bash", "benchmarks/gpu_check.sh", str(results)], cwd=ROOT, env=env, timeout=600)
+
+
+@pytest.mark.background("gpu-check-dry-run")
+def test_dry_run_walks_every_step(wheels, background_job):
+    results = Path(background_job.command[-1])
+    log = background_job.output()
+    assert background_job.returncode == 0, (background_job.error, log[-3000:])
     steps = [line.split("\t") for line in (results / "steps.tsv").read_text().splitlines()]
     names = [s[0] for s in steps]
     assert names[:5] == ["preflight", "wheels", "build", "smoke", "bench_llama_16bit"]

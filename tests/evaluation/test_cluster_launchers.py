@@ -15,7 +15,8 @@ from helpers import REPO, SMOKE_FAILING, SMOKE_GOOD, evaluate
 GOOD, FAILING = SMOKE_GOOD[:2], SMOKE_FAILING
 PRESSES = "no_press,critical_snapkv,duo_attention"
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]  # Ray runs its tasks niced: not beside another test worker
+# Ray runs its tasks niced: not beside another test worker; the local launcher's reference is the smoke sweep
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.background("smoke-sweep")]
 
 
 def predictions(folder: Path) -> pd.DataFrame:

@@ -15,7 +15,7 @@ import yaml
 from helpers import SMOKE_FAILING, SMOKE_GOOD, SMOKE_MODEL, evaluate
 
 GOOD, FAILING = SMOKE_GOOD, SMOKE_FAILING
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.background("smoke-sweep")]
 
 
 def sweep(preset: Path, output: Path, *extra: str) -> subprocess.CompletedProcess:

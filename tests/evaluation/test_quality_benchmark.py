@@ -3,10 +3,10 @@ sweep through kvpress's runner that writes likelihood.csv and the quality tables
 
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import background
 import numpy as np
 import pandas as pd
 import pytest
@@ -175,17 +175,22 @@ QUALITY_PRESET = {
 }
 
 
-@pytest.mark.slow
-def test_quality_sweep_through_kvpress_runner(tmp_path):
-    preset = tmp_path / "quality.yaml"
+@background.job("quality-sweep")
+def quality_sweep_job(tmp_path_factory) -> background.Job:
+    folder = tmp_path_factory.mktemp("quality-sweep")
+    preset = folder / "quality.yaml"
     preset.write_text(yaml.safe_dump(QUALITY_PRESET))
-    out = tmp_path / "results"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHON=sys.executable)
-    command = ["bash", str(REPO / "evaluation" / "evaluate.sh"), "--preset", str(preset), "--output-dir", str(out)]
-    result = subprocess.run(
-        command + ["--workers", "2", "--threads", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    command = ["bash", str(REPO / "evaluation" / "evaluate.sh"), "--preset", str(preset), "--output-dir"]
+    command += [str(folder / "results"), "--workers", "2", "--threads", "1"]
+    return background.Job(command, cwd=REPO, env=env, timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.background("quality-sweep")
+def test_quality_sweep_through_kvpress_runner(background_job):
+    assert background_job.returncode == 0, (background_job.error, background_job.stderr[-3000:])
+    out = Path(background_job.command[background_job.command.index("--output-dir") + 1])
     runs = sorted(p for p in out.iterdir() if p.name.startswith("quality_prose__"))
     assert len(runs) == 3
     for run in runs:  # kvpress's three files, plus ours

@@ -1,0 +1,149 @@
+"""Slow subprocess tests, started in the background when the session starts, run at the lowest priority, so that they
+use the cores the in-process tests leave idle instead of following them.
+
+A test module declares a job with :func:`job` (a function of pytest's ``tmp_path_factory`` returning a :class:`Job`:
+a command, its environment, a working folder) and marks the tests that read it ``@pytest.mark.background("name")``.
+When the session's first test starts, the conftest starts the jobs of the selected tests: the jobs of a lane one
+after another (the longest first: :func:`job`'s ``order``) in a thread of this process, lanes side by side (each job
+a child process whose output goes to files; a job that mostly waits on the network and the disk, such as a fresh
+venv's installs, has a lane of its own). A test marked with a job waits for it (``Jobs.finished``) and checks what it
+wrote. The tests marked with a job are moved to the end of the session (:func:`move_to_end`): by then their jobs have
+run beside everything else. Used by both suites (the main one's conftest and the vLLM plugin's)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MARKER = "background"
+
+_DECLARED: dict[str, Callable] = {}  # job name -> its factory
+_ORDER: dict[str, int] = {}  # job name -> its place in the queue (then the order modules declared them)
+_LANE: dict[str, str] = {}  # job name -> its lane (the jobs of one lane run one after another)
+
+
+@dataclass
+class Job:
+    """A command run in the background: ``command`` in ``cwd`` with ``env``; its standard output and error are kept
+    in two files of ``folder`` (a temporary folder of its own by default)."""
+
+    command: list[str]
+    cwd: Path
+    env: dict = field(default_factory=lambda: dict(os.environ))
+    folder: Path | None = None
+    timeout: float = 1800
+    returncode: int | None = None
+    seconds: float = 0.0
+    error: str = ""
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def _read(self, name: str) -> str:
+        path = self.folder / name if self.folder else None
+        return path.read_text(errors="replace") if path and path.exists() else ""
+
+    @property
+    def stdout(self) -> str:
+        return self._read("stdout.log")
+
+    @property
+    def stderr(self) -> str:
+        return self._read("stderr.log")
+
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def job(name: str, order: int = 100, lane: str = "main"):
+    """Declare the background job ``name``: the decorated function makes it from ``tmp_path_factory``. The jobs of a
+    lane run one at a time by ``order`` (the longest first: it sets when the session can end), then in the order they
+    were declared; lanes run side by side."""
+
+    def declare(factory: Callable) -> Callable:
+        _DECLARED[name] = factory
+        _ORDER[name] = order
+        _LANE[name] = lane
+        return factory
+
+    return declare
+
+
+def _queue() -> list[str]:
+    return sorted(_DECLARED, key=lambda name: (_ORDER[name], list(_DECLARED).index(name)))
+
+
+def _lowest() -> None:
+    """The job's process at the lowest priority: it takes the cores the tests leave idle and slows them little (the
+    tests' engines spin on their cores; two of them at one priority share two cores badly)."""
+    os.nice(19)
+
+
+def _run(jobs: list[tuple[str, Job]]) -> None:
+    for name, current in jobs:
+        start = time.perf_counter()
+        try:
+            with open(current.folder / "stdout.log", "w") as out, open(current.folder / "stderr.log", "w") as err:
+                process = subprocess.Popen(
+                    current.command, cwd=current.cwd, env=current.env, stdout=out, stderr=err, preexec_fn=_lowest
+                )
+                try:
+                    current.returncode = process.wait(timeout=current.timeout)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    current.returncode = process.wait()
+                    current.error = f"{name} ran past its {current.timeout:.0f} s and was killed"
+        except Exception as error:  # noqa: BLE001 - reported by the test that waits for it
+            current.error = f"{name} could not run: {error!r}"
+        current.seconds = time.perf_counter() - start
+        current.done.set()
+
+
+class Jobs:
+    """The session's background jobs: started in a thread, waited for by name."""
+
+    def __init__(self):
+        self.jobs: dict[str, Job] = {}
+        self.threads: list[threading.Thread] = []
+
+    def start(self, names: list[str], tmp_path_factory) -> None:
+        for name in names:
+            made = _DECLARED[name](tmp_path_factory)
+            made.folder = made.folder or tmp_path_factory.mktemp(f"background-{name}")
+            self.jobs[name] = made
+        lanes: dict[str, list[tuple[str, Job]]] = {}
+        for name, made in self.jobs.items():
+            lanes.setdefault(_LANE[name], []).append((name, made))
+        self.threads = [threading.Thread(target=_run, args=(queue,), daemon=True) for queue in lanes.values()]
+        for thread in self.threads:
+            thread.start()
+
+    def finished(self, name: str) -> Job:
+        """The job ``name`` once it has ended (its return code, output and time)."""
+        current = self.jobs[name]
+        current.done.wait()
+        return current
+
+
+def selected(items) -> list[str]:
+    """The jobs the selected tests read, in the order their modules declared them."""
+    wanted = {marker.args[0] for item in items for marker in item.iter_markers(MARKER)}
+    unknown = wanted - _DECLARED.keys()
+    if unknown:
+        raise ValueError(f"tests marked with undeclared background jobs: {sorted(unknown)}")
+    return [name for name in _queue() if name in wanted]
+
+
+def move_to_end(items) -> None:
+    """The tests that read a background job run last, in the order of their jobs."""
+    order = {name: i for i, name in enumerate(_queue())}
+
+    def key(item):
+        markers = list(item.iter_markers(MARKER))
+        return order[markers[0].args[0]] if markers else -1
+
+    marked = sorted((item for item in items if key(item) >= 0), key=key)
+    items[:] = [item for item in items if key(item) < 0] + marked
