@@ -45,6 +45,26 @@ def check_vllm_version(version: str, supported: str) -> None:
         )
 
 
+def check_backend_devices(options: CompressionOptions, device_type: str) -> None:
+    """A kernel backend named in the options runs on the engine's device type, or the engine refuses before it loads
+    the model (whether it compiles and runs there is tried by the workers at start-up)."""
+    from kvpress_critical.ops.paged_ragged_attention import PAGED_RAGGED_ATTENTION
+    from kvpress_critical.ops.projected_value_norm import PROJECTED_VALUE_NORM
+
+    for option, op, registry in (
+        ("backend", "the projected norm", PROJECTED_VALUE_NORM),
+        ("attention_backend", "the head-wise attention", PAGED_RAGGED_ATTENTION),
+    ):
+        name = getattr(options, option)
+        if name == "auto" or device_type in registry[name].device_types():
+            continue
+        raise EngineConfigError(
+            f"kvpress_critical cannot run {op}'s backend {name!r} on this engine's {device_type} device (it runs on "
+            f"{', '.join(registry[name].device_types()) or 'no device here'}). Set "
+            f"additional_config[{CONFIG_KEY!r}][{option!r}] to 'auto' (or one that runs on {device_type})."
+        )
+
+
 def check_engine_config(vllm_config) -> CompressionOptions | None:
     """
     Check ``vllm_config`` for the plugin and point it at the plugin's scheduler and worker; None when the plugin is
@@ -163,6 +183,7 @@ def check_engine_config(vllm_config) -> CompressionOptions | None:
             "Leave worker_cls unset (auto) on a CPU or CUDA platform",
         )
     check_layout(options, cache.block_size, f"additional_config[{CONFIG_KEY!r}]", parallel.tensor_parallel_size)
+    check_backend_devices(options, vllm_config.device_config.device_type)
     parallel.worker_cls = WORKERS[worker]
     scheduler.scheduler_cls = SCHEDULERS[bool(scheduler.async_scheduling)]
     logger.info("kvpress_critical: %s (worker %s, scheduler %s)", options, parallel.worker_cls, scheduler.scheduler_cls)

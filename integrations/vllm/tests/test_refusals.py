@@ -176,20 +176,17 @@ def test_bad_request_options_fail_in_the_caller(overrides, message):
     SamplingParams(extra_args={"kvpress_critical": {"compression_ratio": 0.25, "press": "snapkv"}})
 
 
-def test_a_backend_that_cannot_run_here_refuses_at_start_up(tmp_path):
-    """The engine's projected-norm backend is tried on the engine's device when the workers start: CUDA on a CPU
-    machine stops the engine before it serves anything (a request can never name a backend)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+@pytest.mark.parametrize(
+    "option,name,op",
+    [("backend", "cuda", "the projected norm"), ("attention_backend", "triton", "the head-wise attention")],
+)
+def test_a_backend_that_cannot_run_on_the_device_refuses_before_the_model_loads(option, name, op):
+    """A backend named for the engine that does not run on its device type stops the engine when its configuration
+    is built (the workers then try the named backends on the device before serving anything)."""
+    from kvpress_critical.ops.paged_ragged_attention import PAGED_RAGGED_ATTENTION
 
-    job = tmp_path / "job.json"
-    plugin = {"press": "critical_snapkv", "compression_ratio": 0.5, "backend": "cuda"}
-    job.write_text(json.dumps({"engine": engine_kwargs(), "plugin": plugin, "prompts": [[1, 2, 3]]}))
-    script = Path(__file__).resolve().parent / "engine_process.py"
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    run = subprocess.run([sys.executable, str(script), str(job)], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode != 0
-    assert "cannot run the projected norm's backend 'cuda'" in run.stderr, run.stderr[-3000:]
+    if name == "triton" and "cpu" in PAGED_RAGGED_ATTENTION["triton"].device_types():
+        pytest.skip("Triton runs on CPU tensors here (TRITON_INTERPRET=1)")
+    plugin = {"kvpress_critical": {"press": "critical_snapkv", "compression_ratio": 0.5, option: name}}
+    with pytest.raises(EngineConfigError, match=f"cannot run {op}'s backend '{name}' on this engine's cpu device"):
+        build(plugin=plugin)
