@@ -3,12 +3,13 @@
 The project's quality prose (:func:`kvpress_critical.data.quality.generate_quality_dataset`: real prose with planted
 facts, five questions per context) is served by one engine with the plugin: every question once uncompressed
 (``compression_ratio`` 0) and once per ``--presses`` and ``--ratios`` (per request, ``vllm_xargs``-style
-``extra_args``), greedy. Each prompt is the context then the question in the model's chat template; the whole prompt
-is compressed once prefilled (SnapKV's window, the prompt's last tokens, holds the question: a served request has no
-context-only phase). Reported per press and ratio: the token agreement of the answer with the uncompressed one (the
-share of its ``--max-new`` tokens equal position by position) and the share of answers that hold the expected value
-(RULER's string match); and, for each head-wise press (``adakv_``), the paired difference with its uniform press at the
-same ratio, with a 95 % cluster bootstrap interval over contexts (``evaluation/bootstrap.py``).
+``extra_args``), greedy, all of them submitted at once (the engine batches requests whatever their options). Each prompt
+is the context then the question in the model's chat template; the whole prompt is compressed once prefilled (SnapKV's
+window, the prompt's last tokens, holds the question: a served request has no context-only phase). Reported per press
+and ratio: the token agreement of the answer with the uncompressed one (the share of its ``--max-new`` tokens equal
+position by position) and the share of answers that hold the expected value (RULER's string match); and, for each
+head-wise press (``adakv_``), the paired difference with its uniform press at the same ratio, with a 95 % cluster
+bootstrap interval over contexts (``evaluation/bootstrap.py``).
 
 The schedules (docs/vllm.md, "Prompts and generations longer than the pool"): ``--chunk-size`` adds, for every
 uniform press and ratio, a row compressed after every prompt chunk (``chunk C``); ``--compression-interval`` and
@@ -98,13 +99,12 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (the logic, not the numbers)")
     args = parse_arguments(parser, argv)
     if args.quick:
-        args.contexts, args.context_length, args.ratios = 2, 384, "0.5"
+        args.contexts, args.context_length, args.ratios = 2, 256, "0.5"
     if not args.model:
         parser.error("--model (or KVPRESS_CRITICAL_VLLM_MODEL): a model folder vLLM loads")
     if bool(args.compression_interval) != bool(args.target_size):
         parser.error("--compression-interval and --target-size go together (compression while decoding needs both)")
     import numpy as np
-    from tqdm import tqdm
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
@@ -131,12 +131,18 @@ def main(argv=None) -> int:
     configs = configurations(
         args.presses.split(","), ratios, args.chunk_size, args.compression_interval, args.target_size
     )
-    answers = {}
-    for label, _, ratio, options, _ in tqdm(configs, desc="configurations"):
+    # every configuration's requests in one call (each request carries its options): the engine batches them
+    requests, params = [], []
+    for label, _, ratio, options, _ in configs:
         extra = {"kvpress_critical": {"compression_ratio": ratio, **options}}
-        params = SamplingParams(max_tokens=args.max_new, temperature=0, ignore_eos=args.ignore_eos, extra_args=extra)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        answers[(label, ratio)] = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outputs]
+        sampling = SamplingParams(max_tokens=args.max_new, temperature=0, ignore_eos=args.ignore_eos, extra_args=extra)
+        requests += [{"prompt_token_ids": p} for p in prompts]
+        params += [sampling] * len(prompts)
+    outputs = llm.generate(requests, params, use_tqdm=True)  # progress: answers done
+    answers = {}
+    for i, (label, _, ratio, _, _) in enumerate(configs):
+        chunk = outputs[i * len(prompts) : (i + 1) * len(prompts)]
+        answers[(label, ratio)] = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in chunk]
     reference = answers[("uncompressed", 0.0)]
     clusters = data["context_id"].to_numpy()
     scores = {}

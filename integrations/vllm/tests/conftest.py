@@ -1,7 +1,12 @@
-"""Shared fixtures of the vLLM plugin's tests: the embedded SmolLM2 as vLLM loads it, engines, prompts.
+"""Shared fixtures of the vLLM plugin's tests: the embedded SmolLM2 as vLLM loads it, shared engines, the mixed batch.
 
 Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that tests can read the scheduler's block
-pool and the worker's state directly; the server and async-scheduling tests start their own processes.
+pool and the worker's state directly. Each engine configuration is started once per session (:data:`ENGINES`, in
+the order of cost: a new configuration must say why the others cannot serve its test) and exercised by requests that
+carry their own options; after every test that used it, and after every batch fixture, it must be idle
+(:func:`assert_idle`: every block back in the pool, no request state left in the scheduler or the workers), so that
+sharing an engine cannot hide a leak. The server, the engine-process tests (async scheduling, tensor parallelism)
+and the first run in a fresh venv start their own processes, once each.
 """
 
 import os
@@ -20,10 +25,19 @@ from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from workload import BLOCK_SIZE, ENGINE_OPTIONS, ROWS, Row, sampling_params  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
-BLOCK_SIZE = 32
-POOL_BYTES = 256 * 2**20  # about 5.8K tokens of SmolLM2 in float32
+sys.path.append(str(REPO / "tests"))  # the main suite's background jobs (after this folder: its conftest is ours)
+import background  # noqa: E402
+
+POOL_BYTES = 256 * 2**20  # the server's pool: about 5.8K tokens of SmolLM2 in float32
+TOKEN_BYTES = 30 * 2 * 3 * 64 * 4  # SmolLM2's K and V per token in float32
+
+
+def pool_of(blocks: int) -> int:
+    """``kv_cache_memory_bytes`` of a pool of ``blocks`` usable blocks (vLLM keeps one more as its null block)."""
+    return (blocks + 1) * BLOCK_SIZE * TOKEN_BYTES
 
 
 def model_path() -> str:
@@ -55,25 +69,122 @@ def engine_kwargs(**overrides) -> dict:
     return kwargs
 
 
-# in-process engines share the process's distributed state, which shutting one down tears down for all: every engine
-# the tests make lives until the session ends
-_ENGINES: list = []
+# The engine configurations of the suite, each started at most once per session. "default" serves the mixed batch
+# and every test that needs no particular pool; the others exist because their tests need what "default" cannot be.
+ENGINES = {
+    # the mixed batch (19 requests, 7K prompt tokens) without preemption: a pool of 10K tokens
+    "default": dict(plugin={**ENGINE_OPTIONS, "record_selections": True}, kv_cache_memory_bytes=pool_of(320)),
+    # vLLM's chunked prefill in 128-token steps: a request's window queries come from several steps
+    "chunked_prefill": dict(
+        plugin={**ENGINE_OPTIONS, "record_selections": True}, max_num_batched_tokens=128, max_num_seqs=8
+    ),
+    # a small pool: preemption, requests held to their bounds, and more requests at once in the same blocks
+    "small_pool": dict(plugin=ENGINE_OPTIONS, kv_cache_memory_bytes=pool_of(64)),
+    # longer than the pool: max_model_len 2048 in 16 blocks, every request bounded by the engine's schedules
+    "bounded": dict(
+        plugin={
+            **ENGINE_OPTIONS,
+            "compression_ratio": 0.95,
+            "chunk_size": 128,
+            "compression_interval": 64,
+            "target_size": 64,
+            "window_size": 32,
+        },
+        kv_cache_memory_bytes=pool_of(16),
+    ),  # fmt: skip
+}
+
+# in-process engines share the process's distributed state, which shutting one down (or collecting it) tears down for
+# all: every engine the tests make lives until the session ends
+_ENGINES: dict = {}
+_KEPT: list = []
 
 
 def make_llm(plugin: dict | None = None, **overrides):
+    """An in-process engine of the tests' arguments with ``overrides`` (the plugin's options: ``plugin``), kept alive
+    until the session ends."""
     from vllm import LLM
 
     kwargs = engine_kwargs(**overrides)
     if plugin is not None:
         kwargs["additional_config"] = {"kvpress_critical": plugin}
-    llm = LLM(**kwargs)
-    _ENGINES.append(llm)
-    return llm
+    _KEPT.append(LLM(**kwargs))
+    return _KEPT[-1]
+
+
+def shared_engine(name: str):
+    """The session's engine of configuration ``name`` (:data:`ENGINES`), started on first use."""
+    if name not in _ENGINES:
+        config = dict(ENGINES[name])
+        _ENGINES[name] = make_llm(config.pop("plugin"), **config)
+    return _ENGINES[name]
 
 
 def scheduler_of(llm):
     """The engine core's scheduler of an in-process engine."""
     return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def worker_of(llm):
+    """The in-process engine's worker."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+
+
+_PROBES = iter(range(10**9))
+
+
+def assert_idle(llm) -> None:
+    """
+    The engine is idle: no request left, every block back in the pool (vLLM's null block aside), no request state in
+    the plugin's scheduler or workers. Workers learn which requests finished with the next step, so one uncompressed
+    one-token request runs first. A request left running (a test that failed midway) is aborted, so that the next
+    test finds the engine clean, and the check fails.
+    """
+    from vllm import SamplingParams
+
+    engine, scheduler = llm.llm_engine, scheduler_of(llm)
+    leftover = sorted(scheduler.requests)
+    if leftover:
+        engine.engine_core.engine_core.abort_requests(leftover)
+    # the engine's own options: a 3-token prompt is never compacted, and fits any pool whole
+    engine.add_request(f"idle-probe-{next(_PROBES)}", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    pool = scheduler.kv_cache_manager.block_pool
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    state = {
+        "requests left running": leftover,
+        "blocks not back in the pool": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+        "requests holding blocks": sorted(rid for m in managers for rid, blocks in m.req_to_blocks.items() if blocks),
+        "requests the scheduler tracks": scheduler.kvpress_tracked_requests,
+        "requests the workers track": llm.collective_rpc("kvpress_critical_tracked"),
+    }
+    idle = {
+        "requests left running": [],
+        "blocks not back in the pool": 0,
+        "requests holding blocks": [],
+        "requests the scheduler tracks": 0,
+        "requests the workers track": [0] * len(state["requests the workers track"]),
+    }
+    assert state == idle, f"the engine is not idle after the test: {state}"
+
+
+def _checked_engine(name: str):
+    @pytest.fixture
+    def fixture():
+        llm = shared_engine(name)
+        assert_idle(llm)  # a test starts from an idle engine
+        yield llm
+        assert_idle(llm)
+
+    fixture.__doc__ = f"The session's {name!r} engine (conftest.ENGINES), checked idle before and after the test."
+    return fixture
+
+
+engine = _checked_engine("default")
+chunked_prefill_engine = _checked_engine("chunked_prefill")
+small_pool_engine = _checked_engine("small_pool")
+bounded_engine = _checked_engine("bounded")
 
 
 def run_to_end(llm) -> tuple[dict[str, list[int]], int]:
@@ -89,6 +200,38 @@ def run_to_end(llm) -> tuple[dict[str, list[int]], int]:
     return tokens, peak
 
 
+@dataclass
+class Served:
+    """Requests an engine ran to the end (by the names they were added with): tokens, finish reasons, the plugin's
+    latest record of each compressed one, vLLM's internal ids, and the most requests that ran at once."""
+
+    tokens: dict
+    finish: dict
+    records: dict
+    ids: dict
+    peak: int
+
+
+def serve(llm, requests: dict, on_step=None) -> Served:
+    """Add ``requests`` (``{name: (prompt ids, SamplingParams)}``, names unique in the session) to ``llm`` and step it
+    until every request ends; ``on_step(scheduler, ids)`` is called after every step (a trace)."""
+    scheduler = scheduler_of(llm)
+    for name, (prompt, params) in requests.items():
+        llm.llm_engine.add_request(name, {"prompt_token_ids": prompt}, params)
+    ids = {rid.rpartition("-")[0]: rid for rid in scheduler.requests if rid.rpartition("-")[0] in requests}
+    tokens, finish, peak = {}, {}, 0
+    while llm.llm_engine.has_unfinished_requests():
+        for output in llm.llm_engine.step():
+            if output.finished:
+                tokens[output.request_id] = list(output.outputs[0].token_ids)
+                finish[output.request_id] = output.outputs[0].finish_reason
+        peak = max(peak, len(scheduler.running))
+        if on_step is not None:
+            on_step(scheduler, ids)
+    records = {name: scheduler.kvpress_records[rid] for name, rid in ids.items() if rid in scheduler.kvpress_records}
+    return Served(tokens, finish, records, ids, peak)
+
+
 def internal_id(selections: dict, request_id: str) -> str:
     """vLLM's internal id of a request (``<request_id>-<suffix>``), as the worker and scheduler know it."""
     matches = [key for key in selections if key.rpartition("-")[0] == request_id]
@@ -96,39 +239,124 @@ def internal_id(selections: dict, request_id: str) -> str:
     return matches[0]
 
 
+def real_blocks(scheduler, request_id: str) -> int:
+    """Blocks a request holds in the pool (its null placeholders aside)."""
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    return sum(not block.is_null for block in manager.req_to_blocks.get(request_id, ()))
+
+
 @pytest.fixture(scope="session")
 def prompt_ids():
     """Token ids of an English text (the repository's licence), long enough for 2K-token prompts."""
-    from transformers import AutoTokenizer
+    return token_ids()
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path())
-    return tokenizer((REPO / "LICENSE").read_text())["input_ids"]
+
+@dataclass
+class Result:
+    """A row of a batch as the engine ran it: its prompt, greedy tokens, and the entries it kept (``record_selections``:
+    after its last compaction, and after each one)."""
+
+    row: Row
+    prompt: list[int]
+    tokens: list[int]
+    kept: dict | None
+    stages: list[dict]
+
+
+def run_batch(llm, rows, prompt_ids) -> list[Result]:
+    """``rows`` run together by ``llm`` (its engine-wide options under each row's own), then the engine checked idle."""
+    prompts = [row.prompt(prompt_ids) for row in rows]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], [sampling_params(row) for row in rows])
+    selections = llm.collective_rpc("kvpress_critical_selections")[0]
+    stages = llm.collective_rpc("kvpress_critical_stage_selections")[0]
+    results = []
+    for row, prompt, output in zip(rows, prompts, outputs):
+        matches = [key for key in selections if key.rpartition("-")[0] == output.request_id]
+        kept = selections[matches[0]] if matches else None
+        steps = [value for key, value in stages.items() if key.rpartition("-")[0] == output.request_id]
+        results.append(Result(row, prompt, list(output.outputs[0].token_ids), kept, steps[0] if steps else []))
+    assert_idle(llm)
+    return results
+
+
+# whether the session's tests compare selections with the transformers presses (set at collection): the mixed batch
+# then starts that comparison's reference run in the background as soon as the engine is done with it
+_REFERENCE_SELECTIONS = {"wanted": False, "run": None}
+
+
+_BACKGROUND: list[str] = []  # the background jobs of the selected tests (tests/background.py)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that compare with the transformers presses' selections run after the other in-process tests (the
+    reference run, in kvpress's environment on one core, overlaps them), and the tests that read a background job
+    (engine processes, the fresh venv, the benchmark scripts) last, their jobs having run beside everything else."""
+    wanted = [item for item in items if "reference_selections" in getattr(item, "fixturenames", ())]
+    _REFERENCE_SELECTIONS["wanted"] = bool(wanted)
+    items[:] = [item for item in items if item not in wanted] + wanted
+    background.move_to_end(items)
+    _BACKGROUND[:] = background.selected(items)
+    _SERVER["wanted"] = any("server" in getattr(item, "fixturenames", ()) for item in items)
+
+
+_SERVER: dict = {"wanted": False, "server": None}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_jobs(tmp_path_factory):
+    """The selected tests' background jobs, started with the session's first test, one at a time (and the server,
+    if a selected test uses it, launched then too: it starts while the first tests run)."""
+    if _SERVER["wanted"]:
+        _SERVER["server"] = launch_server(tmp_path_factory.mktemp("server"), dict(ENGINE_OPTIONS))
+    jobs = background.Jobs()
+    jobs.start(_BACKGROUND, tmp_path_factory)
+    yield jobs
+    if _SERVER["server"] is not None and _SERVER["server"].process.poll() is None:
+        stop_server(_SERVER["server"])
+
+
+@pytest.fixture
+def background_job(request, background_jobs) -> background.Job:
+    """The background job of the test's ``background`` marker, once it has ended."""
+    return background_jobs.finished(request.node.get_closest_marker(background.MARKER).args[0])
 
 
 @pytest.fixture(scope="session")
-def engine():
-    """The session's compressing engine: CriticalKV(SnapKV) at ratio 0.5, selections recorded."""
-    return make_llm({"press": "critical_snapkv", "compression_ratio": 0.5, "record_selections": True})
+def mixed_batch(prompt_ids, tmp_path_factory) -> dict[str, Result]:
+    """Every row of ``workload.ROWS`` run together by the default engine: ``{row name: Result}``."""
+    from selections import PressSelections, reference_request
 
-
-NEW_TOKENS = 32
-PRESSES = ("critical_snapkv", "snapkv", "critical_knorm", "knorm", "critical_streaming_llm", "streaming_llm")
+    llm = shared_engine("default")
+    assert_idle(llm)
+    before = llm.collective_rpc("kvpress_critical_compacted")[0]
+    results = run_batch(llm, ROWS, prompt_ids)
+    batch = {result.row.name: result for result in results}
+    batch["compactions"] = llm.collective_rpc("kvpress_critical_compacted")[0] - before
+    if _REFERENCE_SELECTIONS["wanted"]:
+        compressed = [r for r in results if r.row.kind != "uncompressed"]
+        run = PressSelections([reference_request(r) for r in compressed], tmp_path_factory.mktemp("press-reference"))
+        _REFERENCE_SELECTIONS["run"] = ([r.row.name for r in compressed], run)
+    return batch
 
 
 @pytest.fixture(scope="session")
-def batch(engine, prompt_ids):
-    """One batch of the session's engine: six prompts of different lengths, each with its own press (per request)."""
-    from vllm import SamplingParams
+def reference_selections(mixed_batch) -> dict:
+    """What the transformers presses keep for each compressed row of the mixed batch (kvpress's environment, run in
+    the background since the batch ended): ``{row name: what press_reference.py returned for it}``."""
+    names, run = _REFERENCE_SELECTIONS["run"]
+    return dict(zip(names, run.result(), strict=True))
 
-    lengths = (300, 521, 777, 404, 650, 1100)
-    prompts = [prompt_ids[37 * i : 37 * i + length] for i, length in enumerate(lengths)]
-    params = [
-        SamplingParams(max_tokens=NEW_TOKENS, temperature=0, extra_args={"kvpress_critical": {"press": press}})
-        for press in PRESSES
-    ]
-    outputs = engine.generate([{"prompt_token_ids": p} for p in prompts], params)
-    selections = engine.collective_rpc("kvpress_critical_selections")[0]
-    return prompts, outputs, selections
+
+def results_of(batch: dict, kind: str) -> list[Result]:
+    return [result for name, result in batch.items() if isinstance(result, Result) and result.row.kind == kind]
+
+
+@pytest.fixture(scope="session")
+def reference_model():
+    """The embedded model in transformers (vLLM's environment), for the greedy references."""
+    from reference import load_reference_model
+
+    return load_reference_model(model_path())
 
 
 def free_port() -> int:
@@ -154,9 +382,10 @@ class Server:
         return {child.pid for child in psutil.Process(self.process.pid).children(recursive=True)}
 
 
-def start_server(folder: Path, plugin: dict, *flags: str, timeout: float = 300) -> Server:
+def launch_server(folder: Path, plugin: dict, *flags: str) -> Server:
     """``python -m vllm.entrypoints.openai.api_server`` with the plugin, run outside the checkout (so that the
-    installed wheel, not the repository's sources, is imported), float32, eager, 32-token blocks, a 256 MiB pool."""
+    installed wheel, not the repository's sources, is imported), float32, eager, 32-token blocks, a 256 MiB pool;
+    :func:`wait_until_ready` waits for it."""
     port = free_port()
     log = folder / "server.log"
     command = [
@@ -171,21 +400,25 @@ def start_server(folder: Path, plugin: dict, *flags: str, timeout: float = 300) 
     env.pop("KVPRESS_CRITICAL_METRICS_DIR", None)  # the server makes its own
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=folder)
-    url = f"http://127.0.0.1:{port}"
+    return Server(f"http://127.0.0.1:{port}", log, process)
+
+
+def wait_until_ready(server: Server, timeout: float = 300) -> Server:
+    """Wait for ``/health`` to answer 200 (the test fails with the server's log if it exits or does not start)."""
     deadline = time.time() + timeout
     while True:
-        if process.poll() is not None:
-            pytest.fail(f"the server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        if server.process.poll() is not None:
+            pytest.fail(f"the server exited with {server.process.returncode}:\n{server.log_text()[-4000:]}")
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+            with urllib.request.urlopen(f"{server.url}/health", timeout=5) as response:
                 if response.status == 200:
-                    return Server(url, log, process)
+                    return server
         except OSError:
             pass
         if time.time() > deadline:
-            process.kill()
-            pytest.fail(f"the server did not start in {timeout} s:\n{log.read_text()[-4000:]}")
-        time.sleep(2)
+            server.process.kill()
+            pytest.fail(f"the server did not start in {timeout} s:\n{server.log_text()[-4000:]}")
+        time.sleep(1)
 
 
 def stop_server(server: Server) -> None:
@@ -197,20 +430,19 @@ def stop_server(server: Server) -> None:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    """The session's server: CriticalKV(SnapKV) at ratio 0.5."""
-    running = start_server(tmp_path_factory.mktemp("server"), {"press": "critical_snapkv", "compression_ratio": 0.5})
+def server(background_jobs):
+    """The session's server: CriticalKV(SnapKV) at ratio 0.5 (launched with the session's first test)."""
+    running = wait_until_ready(_SERVER["server"])
     yield running
     stop_server(running)
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory):
-    """A two-layer Llama with 4 query and 2 KV heads (random weights, SmolLM2's tokenizer), for tensor parallelism."""
+def make_tiny_llama(folder: Path) -> str:
+    """A two-layer Llama with 4 query and 2 KV heads (random weights, SmolLM2's tokenizer) saved in ``folder``, for
+    tensor parallelism (TP=2 needs an even number of KV heads; SmolLM2 has 3)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -225,3 +457,20 @@ def tiny_llama(tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((Path(model_path()) / name).read_bytes())
     return str(folder)
+
+
+_TINY_LLAMA: dict = {}
+
+
+def tiny_llama(tmp_path_factory) -> str:
+    """The session's tiny Llama folder (:func:`make_tiny_llama`), made once."""
+    if "path" not in _TINY_LLAMA:
+        _TINY_LLAMA["path"] = make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    return _TINY_LLAMA["path"]
+
+
+def token_ids() -> list[int]:
+    """Token ids of the repository's licence (the ``prompt_ids`` fixture's, for background jobs)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path())((REPO / "LICENSE").read_text())["input_ids"]

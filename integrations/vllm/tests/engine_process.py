@@ -1,10 +1,10 @@
 """Run a batch in an engine started the default way (engine core and workers in their own processes); a script.
 
 ``python engine_process.py JOB.json`` reads ``{"engine": LLM kwargs, "plugin": options, "prompts": [[ids]],
-"presses": [...] | null, "requests": [{option: value}] | null, "max_tokens": int, "ignore_eos": bool,
-"async_scheduling": bool}`` (``requests``: each prompt's own options, instead of ``presses``; 32 tokens by default)
-and writes ``JOB.json.out``: the greedy tokens, the selections recorded by each rank, the scheduler class and how
-many requests each rank compacted.
+"requests": [{"options": {option: value}, "max_tokens": int, "ignore_eos": bool}], "async_scheduling": bool}`` (one
+request per prompt: its own plugin options and sampling) and writes ``JOB.json.out``: the greedy tokens, the
+selections recorded by each rank (after each request's last compaction), the scheduler class, how many compactions
+each rank did and how many requests each rank still tracks once the batch is done (0: nothing left behind).
 
 vLLM's CPU platform turns async scheduling off (``CpuPlatform.check_and_update_config``: "not required on CPU"),
 while it is vLLM's default on GPUs; with ``async_scheduling`` this script keeps it on through that hook so that the
@@ -28,37 +28,53 @@ def keep_async_scheduling() -> None:
     CpuPlatform.check_and_update_config = classmethod(check_keeping_async)
 
 
-if __name__ == "__main__":  # vLLM starts its processes with spawn
-    job = json.loads(open(sys.argv[1]).read())
+def run(job: dict) -> dict:
+    """Start the job's engine (async scheduling kept on if asked) and run its batch (:func:`serve_job`)."""
     engine = dict(job["engine"])
     if job.get("async_scheduling"):
         keep_async_scheduling()
         engine["async_scheduling"] = True
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
-    llm = LLM(**engine, additional_config={"kvpress_critical": job["plugin"]})
-    presses = job.get("presses") or [job["plugin"]["press"]] * len(job["prompts"])
-    requests = job.get("requests") or [{"press": press} for press in presses]
+    return serve_job(LLM(**engine, additional_config={"kvpress_critical": job["plugin"]}), job)
+
+
+def serve_job(llm, job: dict) -> dict:
+    """The job's prompts and requests run by ``llm`` (an engine of any kind): what the module docstring says."""
+    from vllm import SamplingParams
+
     params = [
         SamplingParams(
-            max_tokens=job.get("max_tokens", 32),
+            max_tokens=request.get("max_tokens", 32),
             temperature=0,
-            ignore_eos=job.get("ignore_eos", False),
-            extra_args={"kvpress_critical": options},
+            ignore_eos=request.get("ignore_eos", False),
+            extra_args={"kvpress_critical": request.get("options", {})},
         )
-        for options in requests
+        for request in job["requests"]
     ]
     outputs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params)
     by_rank = llm.collective_rpc("kvpress_critical_selections")
     order = {o.request_id: i for i, o in enumerate(outputs)}
-    result = {
+    # one more step: the workers learn which requests finished with the next step's scheduler output
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1))
+    return {
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-        # per rank, per prompt (in order): {layer: [[positions] per local KV head]}
+        # per rank, per prompt (in order): {layer: [[positions] per local KV head]}, or None (never compacted)
         "selections": [
-            [rank.get(key) for key in sorted(rank, key=lambda k: order[k.rpartition("-")[0]])] for rank in by_rank
+            [
+                next((layers for key, layers in rank.items() if order.get(key.rpartition("-")[0]) == i), None)
+                for i in range(len(outputs))
+            ]
+            for rank in by_rank
         ],
         "scheduler": str(llm.llm_engine.vllm_config.scheduler_config.scheduler_cls),
         "compacted": llm.collective_rpc("kvpress_critical_compacted"),
+        "tracked": llm.collective_rpc("kvpress_critical_tracked"),
     }
+
+
+if __name__ == "__main__":  # vLLM starts its processes with spawn
+    job = json.loads(open(sys.argv[1]).read())
+    result = run(job)
     with open(sys.argv[1] + ".out", "w") as handle:
         json.dump(result, handle)

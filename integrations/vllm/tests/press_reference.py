@@ -1,20 +1,20 @@
-"""Run this project's transformers presses on prompts and print the entries they keep (a script, for kvpress's venv).
+"""Run this project's transformers presses on prompts and write the entries they keep (a script, for kvpress's venv).
 
 The plugin's environment has vLLM's transformers and no kvpress, so its selection test asks kvpress's environment,
-through this script: JSON on stdin (``{"model": path, "requests": [{"prompt_ids", "press", "n_kept", options}]}``),
-JSON on stdout (per request, per layer, the kept positions of each KV head, ascending). Each layer keeps exactly
-``n_kept`` entries per head (on average over the heads for the head-wise presses, AdaKV's budgets): the plugin's
-block-aligned count, so that both select for the same budget. A request with ``chunk_size`` runs
+through this script: ``press_reference.py JOB.json OUT.json`` reads ``{"model": path, "requests": [{"prompt_ids",
+"press", "n_kept", options}]}`` and writes per request, per layer, the kept positions of each KV head, ascending. Each
+layer keeps exactly ``n_kept`` entries per head (on average over the heads for the head-wise presses, AdaKV's budgets):
+the plugin's block-aligned count, so that both select for the same budget. A request with ``chunk_size`` runs
 ``ChunkedPrefillPress(press, chunk_size)`` instead, keeping after each chunk the count the plugin kept for the tokens
 seen (``"kept_after": {seen: n_kept}``; everything after a chunk the plugin did not compact), and reports the prompt
-positions each head keeps after the last chunk. A request with ``compression_interval`` is compressed while decoding
-the engine's own tokens (``"tokens"``, fed one at a time after the prompt) by this project's ``DecodingCompressor``
-on kvpress's ``DecodingPress`` schedule, keeping the plugin's counts (``"kept_at": {seen: n_kept}``), after its
-prompt was compressed as above (``"kept_after"``, empty when the plugin left the prompt whole); it reports the
-positions each head keeps after every compaction while decoding (``{seen: {layer: heads}}``).
-"""
+positions each head keeps after the last chunk. A request with ``compression_interval`` is compressed while decoding the
+engine's own tokens (``"tokens"``, fed one at a time after the prompt) by this project's ``DecodingCompressor`` on
+kvpress's ``DecodingPress`` schedule, keeping the plugin's counts (``"kept_at": {seen: n_kept}``), after its prompt was
+compressed as above (``"kept_after"``, empty when the plugin left the prompt whole); it reports the positions each head
+keeps after every compaction while decoding (``{seen: {layer: heads}}``)."""
 
 import json
+import os
 import sys
 
 import torch
@@ -147,7 +147,8 @@ def base_press(name: str, options: dict):
 
 
 def main():
-    job = json.load(sys.stdin)
+    with open(sys.argv[1]) as handle:
+        job = json.load(handle)
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32, attn_implementation="sdpa").eval()
     results = []
     for request in job["requests"]:
@@ -179,7 +180,9 @@ def main():
         with torch.no_grad(), capture(model):
             model.model(input_ids=torch.tensor([request["prompt_ids"]]))
         results.append(capture.kept)
-    json.dump(results, sys.stdout)
+    with open(sys.argv[2] + ".tmp", "w") as handle:
+        json.dump(results, handle)
+    os.replace(sys.argv[2] + ".tmp", sys.argv[2])
 
 
 if __name__ == "__main__":

@@ -1,14 +1,7 @@
 """Real memory: the evicted blocks go back to vLLM's pool at once, and the scheduler fills them with more requests."""
 
 import pytest
-from conftest import BLOCK_SIZE, make_llm, run_to_end, scheduler_of
-
-pytestmark = pytest.mark.slow
-
-
-def real_blocks(scheduler, request_id: str) -> list:
-    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-    return [block for block in manager.req_to_blocks[request_id] if not block.is_null]
+from conftest import scheduler_of, serve
 
 
 def test_blocks_are_freed_as_computed(engine, prompt_ids):
@@ -33,30 +26,23 @@ def test_blocks_are_freed_as_computed(engine, prompt_ids):
     assert pool.get_num_free_blocks() == free  # everything back, the null placeholders included
 
 
-def test_a_pool_holds_more_requests_at_once():
-    """96 blocks, 20 requests of 512 prompt tokens (16 blocks) and 32 new ones: peak concurrency per ratio."""
-    from conftest import REPO, model_path
-    from transformers import AutoTokenizer
+@pytest.mark.slow
+def test_a_pool_holds_more_requests_at_once_with_uniform_and_head_wise_presses(small_pool_engine, prompt_ids):
+    """64 blocks, 20 requests of 256 prompt tokens (8 blocks) and 16 new ones: peak concurrency uncompressed, with a
+    uniform press and with a head-wise one at ratio 0.75 (which frees the same blocks)."""
     from vllm import SamplingParams
 
-    token_bytes = 30 * 2 * 3 * 64 * 4  # SmolLM2's K and V per token in float32
-    llm = make_llm(
-        {"press": "critical_snapkv", "compression_ratio": 0.0},
-        kv_cache_memory_bytes=97 * BLOCK_SIZE * token_bytes,
-        max_model_len=1024,
-    )
-    scheduler = scheduler_of(llm)
-    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 96
-    ids = AutoTokenizer.from_pretrained(model_path())((REPO / "LICENSE").read_text())["input_ids"]
+    scheduler = scheduler_of(small_pool_engine)
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 64
     peaks = {}
-    for ratio in (0.0, 0.75):
-        params = SamplingParams(
-            max_tokens=32, ignore_eos=True, extra_args={"kvpress_critical": {"compression_ratio": ratio}}
-        )
-        for i in range(20):
-            llm.llm_engine.add_request(f"{ratio}-{i}", {"prompt_token_ids": ids[11 * i : 11 * i + 512]}, params)
-        _, peak = run_to_end(llm)
-        peaks[ratio] = peak
+    for press, ratio in (("critical_snapkv", 0.0), ("critical_snapkv", 0.75), ("critical_adakv_snapkv", 0.75)):
+        options = {"press": press, "compression_ratio": ratio}
+        params = SamplingParams(max_tokens=16, ignore_eos=True, extra_args={"kvpress_critical": options})
+        requests = {f"more-{press}-{ratio}-{i}": (prompt_ids[29 * i : 29 * i + 256], params) for i in range(20)}
+        peaks[press, ratio] = serve(small_pool_engine, requests).peak
     print("peak requests at once:", peaks)
-    # ideally 1 / (1 - r) = 4x; the 32 new tokens are not compressed and the next prompt is admitted whole
-    assert peaks[0.75] >= 0.65 * peaks[0.0] / (1 - 0.75), peaks
+    uncompressed, uniform, head_wise = peaks.values()
+    # a compressed request holds its 64 kept entries (2 blocks) and a block of new tokens; the next one is admitted
+    # when its whole prompt (8 blocks) is free: 1 + (64 - 8) // 3 = 19 at once, against 64 // 8 uncompressed
+    assert uncompressed <= 64 // 8 and uniform >= 1 + (64 - 8) // 3 - 1 and uniform >= 2 * uncompressed, peaks
+    assert abs(head_wise - uniform) <= 1, peaks

@@ -1,123 +1,124 @@
-"""Engine features with the plugin: chunked prefill, async scheduling in a separate engine process, preemption.
+"""Engine features with the plugin: vLLM's chunked prefill, async scheduling in a separate engine process,
+preemption, tensor parallelism.
 
-Each runs the same prompts as the session's engine (one chunk, in-process, synchronous scheduling) and must give the
-same greedy tokens; chunked prefill must also keep the same entries (its window queries come from several chunks).
+Each runs requests of the mixed batch (or of its kinds) and must give what the shared engine gives them (one step per
+prompt chunk the plugin asks for, in-process, synchronous scheduling): the same greedy tokens, and with chunked
+prefill the same kept entries (a request's window queries then come from several steps). The engine processes (async
+scheduling, TP=2) run as background jobs (tests/background.py) while the in-process tests run.
 """
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import background
 import pytest
-from conftest import NEW_TOKENS, PRESSES, engine_kwargs, internal_id, make_llm, run_to_end, scheduler_of
+from conftest import ENGINES, engine_kwargs, run_batch, shared_engine, tiny_llama, token_ids
+from selections import same_entries
+from workload import ENGINE_OPTIONS, ROWS, rows_of
 
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
 
 
-def engine_process(tmp_path, **job) -> dict:
-    """Run ``engine_process.py`` on ``job`` (an engine in its own processes) and return what it wrote."""
+def engine_process_job(folder: Path, **job) -> background.Job:
+    """``engine_process.py`` on ``job`` (an engine in its own processes), as a background job writing into
+    ``folder``."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", **job.pop("env", {}))
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "job.json"
-    path.write_text(json.dumps(job))
-    command = [sys.executable, str(HERE / "engine_process.py"), str(path)]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads((tmp_path / "job.json.out").read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "job.json").write_text(json.dumps(job))
+    command = [sys.executable, str(HERE / "engine_process.py"), str(folder / "job.json")]
+    return background.Job(command, cwd=folder, env=env, timeout=1800)  # niced: it may wait long for an idle core
 
 
-def same_entries(a: dict, b: dict) -> float:
-    """Fraction of kept entries two selections (``{layer: [[positions] per head]}``) share."""
-    common = total = 0
-    for name, heads in a.items():
-        for x, y in zip(heads, b[name]):
-            common += len(set(x) & set(y))
-            total += len(x)
-    return common / total
+def result_of(finished: background.Job) -> dict:
+    assert finished.returncode == 0, (finished.error, finished.output()[-4000:])
+    return json.loads((finished.cwd / "job.json.out").read_text())
 
 
-def run_batch(llm, prompts):
-    from vllm import SamplingParams
-
-    params = [
-        SamplingParams(max_tokens=NEW_TOKENS, temperature=0, extra_args={"kvpress_critical": {"press": press}})
-        for press in PRESSES
-    ]
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+def job_requests(rows) -> list[dict]:
+    return [{"options": row.options, "max_tokens": row.max_tokens, "ignore_eos": row.ignore_eos} for row in rows]
 
 
-def test_chunked_prefill_equals_one_chunk(batch):
-    """128-token chunks: prompts of 300 and 777 tokens end with chunks shorter than SnapKV's 64-query window."""
-    prompts, outputs, selections = batch
-    llm = make_llm(
-        {"press": "critical_snapkv", "compression_ratio": 0.5, "record_selections": True},
-        max_num_batched_tokens=128,
-        max_num_seqs=8,
-    )
-    chunked = run_batch(llm, prompts)
-    chunked_selections = llm.collective_rpc("kvpress_critical_selections")[0]
+def test_chunked_prefill_keeps_the_same_entries_and_tokens(mixed_batch, prompt_ids):
+    """128-token steps (vLLM's chunked prefill, max_num_batched_tokens=128): the uniform and head-wise rows of prompts
+    of 150 to 550 tokens, whose last steps are shorter than SnapKV's 64-query window."""
+    rows = rows_of("uniform") + rows_of("head_wise")
+    chunked = run_batch(shared_engine("chunked_prefill"), rows, prompt_ids)
     report = []
-    for press, one, several in zip(PRESSES, outputs, chunked):
-        a = selections[internal_id(selections, one.request_id)]
-        b = chunked_selections[internal_id(chunked_selections, several.request_id)]
-        report.append((press, same_entries(a, b), list(one.outputs[0].token_ids) == list(several.outputs[0].token_ids)))
-    print("chunked vs one chunk (press, same entries, same tokens):", report)
+    for result in chunked:
+        one = mixed_batch[result.row.name]
+        report.append((result.row.name, same_entries(one.kept, result.kept), one.tokens == result.tokens))
+    print("chunked prefill vs one step (row, same entries, same tokens):", report)
     assert all(agreement >= 0.999 and same for _, agreement, same in report), report
 
 
-def test_async_scheduling_in_an_engine_process(batch, tmp_path):
-    """vLLM's GPU default: engine core in its own process, async scheduling; the synchronous engine's tokens."""
-    prompts, outputs, _ = batch
-    plugin = {"press": "critical_snapkv", "compression_ratio": 0.5}
-    result = engine_process(tmp_path, engine=engine_kwargs(), plugin=plugin, prompts=prompts, presses=list(PRESSES),
-                            async_scheduling=True)  # fmt: skip
-    assert "CriticalKVAsyncScheduler" in result["scheduler"]
-    assert result["compacted"] == [len(prompts)]
-    assert result["tokens"] == [list(o.outputs[0].token_ids) for o in outputs]
+# a request of every kind of the mixed batch
+ASYNC_ROWS = [next(row for row in ROWS if row.kind == kind) for kind in dict.fromkeys(row.kind for row in ROWS)]
 
 
-def test_preempted_request_is_compressed_again_and_gives_the_same_tokens(engine, prompt_ids):
-    """A pool of 36 blocks for three requests that grow to 15 blocks each: one is preempted and recomputed."""
-    from vllm import SamplingParams
-
-    prompts = [prompt_ids[100 * i : 100 * i + 320] for i in range(3)]
-    params = SamplingParams(max_tokens=320, temperature=0, ignore_eos=True)
-    expected = [
-        list(o.outputs[0].token_ids) for o in engine.generate([{"prompt_token_ids": p} for p in prompts], params)
-    ]
-
-    pool = 37 * 32 * 46080  # 36 blocks and the null block
-    llm = make_llm(
-        {"press": "critical_snapkv", "compression_ratio": 0.5}, kv_cache_memory_bytes=pool, max_model_len=1024
-    )
-    scheduler = scheduler_of(llm)
-    for i, prompt in enumerate(prompts):
-        llm.llm_engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params)
-    tokens, _ = run_to_end(llm)
-    records = scheduler.kvpress_records
-    preempted = [r for r in records.values() if r.preemptions > 0]
-    assert preempted, "the pool was meant to force a preemption"
-    assert llm.collective_rpc("kvpress_critical_compacted") == [3 + len(preempted)]
-    assert all(r.blocks_freed == 5 for r in records.values())
-    assert [tokens[f"p{i}"] for i in range(3)] == expected
-
-
-def test_tensor_parallel_ranks_select_their_own_heads(tiny_llama, prompt_ids, tmp_path):
-    """TP=2 on two CPU processes: each rank selects its KV head with its shard of o_proj, as one rank selects it."""
-    prompts = [prompt_ids[:600], prompt_ids[200:1000]]
-    plugin = {"press": "critical_snapkv", "compression_ratio": 0.5, "record_selections": True}
-    engine = engine_kwargs(model=tiny_llama, kv_cache_memory_bytes=64 * 2**20)
-    one = engine_process(tmp_path / "tp1", engine=engine, plugin=plugin, prompts=prompts)
-    two = engine_process(
-        tmp_path / "tp2", engine={**engine, "tensor_parallel_size": 2}, plugin=plugin, prompts=prompts,
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per rank (the CPU worker cannot bind two otherwise)
+@background.job("async-scheduling")
+def async_scheduling_job(tmp_path_factory) -> background.Job:
+    config = dict(ENGINES["default"])
+    ids = token_ids()
+    return engine_process_job(
+        tmp_path_factory.mktemp("async-scheduling"), engine=engine_kwargs(**{k: v for k, v in config.items()
+        if k != "plugin"}), plugin=config["plugin"], prompts=[row.prompt(ids) for row in ASYNC_ROWS],
+        requests=job_requests(ASYNC_ROWS), async_scheduling=True,
     )  # fmt: skip
-    assert two["compacted"] == [2, 2]
-    for prompt in range(len(prompts)):
+
+
+@pytest.mark.background("async-scheduling")
+def test_async_scheduling_in_an_engine_process(mixed_batch, background_job):
+    """vLLM's GPU default (engine core in its own process, async scheduling) on a request of every kind of the mixed
+    batch: the same tokens and compactions as the synchronous engine, nothing tracked once it is done."""
+    from selections import plan_of
+
+    result = result_of(background_job)
+    assert "CriticalKVAsyncScheduler" in result["scheduler"]
+    compactions = sum(len(plan_of(r.options, r.length, r.length + r.max_tokens - 1)) for r in ASYNC_ROWS)
+    assert result["compacted"] == [compactions] and result["tracked"] == [0]
+    assert result["tokens"] == [mixed_batch[row.name].tokens for row in ASYNC_ROWS]
+
+
+TP_REQUESTS = [
+    {"options": {}},
+    {"options": {"chunk_size": 256}},
+    {"options": {"compression_interval": 48, "target_size": 128, "window_size": 32}, "max_tokens": 120,
+     "ignore_eos": True},
+]  # fmt: skip
+TP_PLUGIN = {**ENGINE_OPTIONS, "record_selections": True}
+TP_POOL = 64 * 2**20
+
+
+def tp_prompts(ids: list[int]) -> list[list[int]]:
+    return [ids[:600], ids[200:1000], ids[100:700]]
+
+
+@background.job("tensor-parallel")
+def tensor_parallel_job(tmp_path_factory) -> background.Job:
+    engine = engine_kwargs(model=tiny_llama(tmp_path_factory), kv_cache_memory_bytes=TP_POOL, tensor_parallel_size=2)
+    return engine_process_job(
+        tmp_path_factory.mktemp("tensor-parallel"), engine=engine, plugin=TP_PLUGIN, prompts=tp_prompts(token_ids()),
+        requests=TP_REQUESTS, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per rank
+    )  # fmt: skip
+
+
+@pytest.mark.background("tensor-parallel")
+def test_tensor_parallel_ranks_select_their_own_heads(prompt_ids, tmp_path_factory, background_job):
+    """TP=2 on two CPU processes: each rank selects its KV head with its shard of o_proj, as one rank selects it, for
+    a request compressed after its prompt, one after every prompt chunk and one while decoding (a tiny Llama: TP=2
+    needs an even number of KV heads, SmolLM2 has 3)."""
+    from conftest import make_llm
+    from engine_process import serve_job
+
+    job = dict(plugin=TP_PLUGIN, prompts=tp_prompts(prompt_ids), requests=TP_REQUESTS)
+    one = serve_job(make_llm(TP_PLUGIN, model=tiny_llama(tmp_path_factory), kv_cache_memory_bytes=TP_POOL), job)
+    two = result_of(background_job)
+    assert one["compacted"][0] >= 3 + 1 and two["compacted"] == one["compacted"] * 2 and two["tracked"] == [0, 0]
+    for prompt in range(len(TP_REQUESTS)):
         for layer, heads in one["selections"][0][prompt].items():
             assert [two["selections"][rank][prompt][layer][0] for rank in (0, 1)] == heads
     assert two["tokens"] == one["tokens"]

@@ -9,9 +9,9 @@ the server block and the client example.
 import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
+import background
 import pytest
 from conftest import REPO, model_path
 
@@ -33,28 +33,41 @@ def test_the_first_run_is_documented_in_runnable_blocks():
     assert "examples/offline.py" in install and "examples/client.py" in serve
 
 
-def test_the_documented_first_run_works_from_a_fresh_venv(tmp_path):
-    (tmp_path / "integrations").symlink_to(REPO / "integrations", target_is_directory=True)
+@background.job("first-run", order=0, lane="venv")  # mostly installs: beside the other jobs
+def first_run_job(tmp_path_factory) -> background.Job:
+    """The documented blocks in a temporary folder, with nothing of the test's environment but the package index
+    settings. Two shortcuts, neither of which changes a command: pip does not byte-compile what it installs (minutes,
+    and nothing it checks), and the fresh home holds the C++ extension this environment compiled for the same torch,
+    Python and sources (the wheel's sources must hash to it to be loaded; a first-use compile from a wheel is what
+    `make check-wheel` runs)."""
+    from kvpress_critical.ops import extension
+
+    folder = tmp_path_factory.mktemp("first-run")
+    (folder / "integrations").symlink_to(REPO / "integrations", target_is_directory=True)
     env = {key: value for key, value in os.environ.items() if key.startswith(("PIP_", "HOME", "PATH", "LANG"))}
     env["PATH"] = os.environ["PATH"]
-    env["KVPRESS_CRITICAL_HOME"] = str(tmp_path / "home")  # the model is prepared as a newcomer's would be
+    env["KVPRESS_CRITICAL_HOME"] = str(folder / "home")  # the model is prepared as a newcomer's would be
+    env["PIP_NO_COMPILE"] = "1"
+    built = extension.library_path(False)
+    if built.is_file() and (built.parent / "build_info.json").is_file():
+        shutil.copytree(built.parent, folder / "home" / "extensions" / built.parent.name)
     script = "set -euxo pipefail\n" + "\n".join(first_run_blocks()) + "\nkill %1 || true\nwait || true\n"
-    try:
-        run = subprocess.run(
-            ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=2400
-        )
-    finally:
-        shutil.rmtree(REPO / "integrations" / "vllm" / "build", ignore_errors=True)
-    output = run.stdout + run.stderr
-    assert run.returncode == 0, output[-5000:]
-    answers = [line for line in run.stdout.splitlines() if "prompt tokens ->" in line]
-    assert len(answers) == 4, run.stdout[-3000:]  # two ratios offline, two requests over HTTP
-    assert "vllm:kvpress_critical_requests_compressed_total" in run.stdout
+    return background.Job(["bash", "-c", script], cwd=folder, env=env, timeout=2400)
+
+
+@pytest.mark.background("first-run")
+def test_the_documented_first_run_works_from_a_fresh_venv(background_job):
+    shutil.rmtree(REPO / "integrations" / "vllm" / "build", ignore_errors=True)
+    output = background_job.output()
+    assert background_job.returncode == 0, (background_job.error, output[-5000:])
+    answers = [line for line in output.splitlines() if "prompt tokens ->" in line]
+    assert len(answers) == 4, output[-3000:]  # two ratios offline, two requests over HTTP
+    assert "vllm:kvpress_critical_requests_compressed_total" in output
     # the plugin's own conversion holds the weights of the main package's (kvpress's environment, transformers 5.2)
     import torch
     from safetensors.torch import load_file
 
-    converted = load_file(tmp_path / "home" / "SmolLM2-135M-Instruct-vllm" / "model.safetensors")
+    converted = load_file(background_job.cwd / "home" / "SmolLM2-135M-Instruct-vllm" / "model.safetensors")
     reference = load_file(Path(model_path()) / "model.safetensors")
     assert converted.keys() == reference.keys()
     assert all(torch.equal(converted[name], reference[name]) for name in reference)
