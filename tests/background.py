@@ -13,6 +13,7 @@ run beside everything else. Used by both suites (the main one's conftest and the
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -41,6 +42,7 @@ class Job:
     seconds: float = 0.0
     error: str = ""
     done: threading.Event = field(default_factory=threading.Event)
+    process: subprocess.Popen | None = field(default=None, repr=False)
 
     def _read(self, name: str) -> str:
         path = self.folder / name if self.folder else None
@@ -85,21 +87,40 @@ def _lowest() -> None:
 def _run(jobs: list[tuple[str, Job]]) -> None:
     for name, current in jobs:
         start = time.perf_counter()
+        if current.timeout <= 0:  # the session ended first
+            current.error = f"{name} was not run: the session ended before it started"
+            current.done.set()
+            continue
         try:
             with open(current.folder / "stdout.log", "w") as out, open(current.folder / "stderr.log", "w") as err:
-                process = subprocess.Popen(
-                    current.command, cwd=current.cwd, env=current.env, stdout=out, stderr=err, preexec_fn=_lowest
+                # a session of its own: the job and everything it starts are stopped together
+                process = current.process = subprocess.Popen(
+                    current.command,
+                    cwd=current.cwd,
+                    env=current.env,
+                    stdout=out,
+                    stderr=err,
+                    preexec_fn=_lowest,
+                    start_new_session=True,
                 )
                 try:
                     current.returncode = process.wait(timeout=current.timeout)
                 except subprocess.TimeoutExpired:
-                    process.kill()
+                    _kill(process)
                     current.returncode = process.wait()
                     current.error = f"{name} ran past its {current.timeout:.0f} s and was killed"
         except Exception as error:  # noqa: BLE001 - reported by the test that waits for it
             current.error = f"{name} could not run: {error!r}"
         current.seconds = time.perf_counter() - start
         current.done.set()
+
+
+def _kill(process: subprocess.Popen) -> None:
+    """The job's process and everything it started (its session)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 class Jobs:
@@ -120,6 +141,14 @@ class Jobs:
         self.threads = [threading.Thread(target=_run, args=(queue,), daemon=True) for queue in lanes.values()]
         for thread in self.threads:
             thread.start()
+
+    def stop(self) -> None:
+        """At the session's end: the jobs still running (their tests failed, or were not reached) are killed, their
+        children with them, and the jobs not started yet never start."""
+        for current in self.jobs.values():
+            current.timeout = 0  # a job not started yet ends at once
+            if current.process is not None and current.process.poll() is None:
+                _kill(current.process)
 
     def finished(self, name: str) -> Job:
         """The job ``name`` once it has ended (its return code, output and time)."""

@@ -50,6 +50,7 @@ def pytest_addoption(parser):
     )
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k deselected: only the jobs of the tests that run
 def pytest_collection_modifyitems(config, items):
     """Cases of a grid outside its covering array (marked ``full_grid``) run only with ``--full-grid``; the tests
     that read a background job run last (background.py)."""
@@ -64,10 +65,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def background_jobs(tmp_path_factory):
-    """The selected tests' background jobs, started with the session's first test, one at a time."""
+    """The selected tests' background jobs, started with the session's first test; those still running when the
+    session ends are stopped."""
     jobs = background.Jobs()
     jobs.start(_BACKGROUND, tmp_path_factory)
-    return jobs
+    yield jobs
+    jobs.stop()
 
 
 @pytest.fixture

@@ -287,6 +287,7 @@ _REFERENCE_SELECTIONS = {"wanted": False, "run": None}
 _BACKGROUND: list[str] = []  # the background jobs of the selected tests (tests/background.py)
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k deselected: only the jobs of the tests that run
 def pytest_collection_modifyitems(config, items):
     """Tests that compare with the transformers presses' selections run after the other in-process tests (the
     reference run, in kvpress's environment on one core, overlaps them), and the tests that read a background job
@@ -304,15 +305,19 @@ _SERVER: dict = {"wanted": False, "server": None}
 
 @pytest.fixture(scope="session", autouse=True)
 def background_jobs(tmp_path_factory):
-    """The selected tests' background jobs, started with the session's first test, one at a time (and the server,
-    if a selected test uses it, launched then too: it starts while the first tests run)."""
+    """The selected tests' background jobs, started with the session's first test (and the server, if a selected
+    test uses it, launched then too: it starts while the first tests run); at the session's end, the jobs still
+    running, the server and the transformers presses' reference run are stopped."""
     if _SERVER["wanted"]:
         _SERVER["server"] = launch_server(tmp_path_factory.mktemp("server"), dict(ENGINE_OPTIONS))
     jobs = background.Jobs()
     jobs.start(_BACKGROUND, tmp_path_factory)
     yield jobs
+    jobs.stop()
     if _SERVER["server"] is not None and _SERVER["server"].process.poll() is None:
         stop_server(_SERVER["server"])
+    if _REFERENCE_SELECTIONS["run"] is not None and _REFERENCE_SELECTIONS["run"][1].process.poll() is None:
+        _REFERENCE_SELECTIONS["run"][1].process.kill()
 
 
 @pytest.fixture
@@ -345,6 +350,12 @@ def reference_selections(mixed_batch) -> dict:
     the background since the batch ended): ``{row name: what press_reference.py returned for it}``."""
     names, run = _REFERENCE_SELECTIONS["run"]
     return dict(zip(names, run.result(), strict=True))
+
+
+def first_fast(names: list[str]) -> list:
+    """Parameters of a test over rows: the first row in the fast tier, the others marked slow (a transformers
+    reference that generates with compactions takes seconds per row)."""
+    return [names[0], *(pytest.param(name, marks=pytest.mark.slow) for name in names[1:])]
 
 
 def results_of(batch: dict, kind: str) -> list[Result]:

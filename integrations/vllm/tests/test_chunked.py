@@ -14,7 +14,7 @@ tokens and compacted after each one. Checked:
 """
 
 import pytest
-from conftest import real_blocks, results_of, serve
+from conftest import first_fast, real_blocks, results_of, serve
 from reference import greedy_with_compactions
 from selections import compare_selections, plan_of
 from workload import BLOCK_SIZE, CHUNK, NEW_TOKENS, rows_of
@@ -29,7 +29,7 @@ def chunked_params(press: str, max_tokens: int = NEW_TOKENS, **extra):
     return SamplingParams(max_tokens=max_tokens, temperature=0, extra_args={"kvpress_critical": options}, **extra)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", first_fast(NAMES))
 def test_greedy_output_equals_transformers_prefilling_the_same_chunks(mixed_batch, reference_model, name):
     result = mixed_batch[name]
     plan = plan_of(result.row.options, len(result.prompt))
@@ -40,6 +40,7 @@ def test_greedy_output_equals_transformers_prefilling_the_same_chunks(mixed_batc
     assert result.tokens == greedy_with_compactions(reference_model, result.prompt, result.stages, NEW_TOKENS)
 
 
+@pytest.mark.slow  # the transformers presses run in kvpress's environment: the complete tier
 def test_plugin_keeps_what_chunked_prefill_press_keeps(mixed_batch, reference_selections):
     results = results_of(mixed_batch, "chunked")
     plugin = []
@@ -55,6 +56,7 @@ def test_plugin_keeps_what_chunked_prefill_press_keeps(mixed_batch, reference_se
     assert all(value >= 0.995 for value in agreement.values()), report
 
 
+@pytest.mark.slow
 def test_a_request_never_holds_more_than_the_schedules_bound(engine, prompt_ids):
     """Traced step by step (synchronous scheduling): blocks held while each chunk runs, and after the prompt."""
     from kvpress_critical_vllm.budget import blocks_held_at_most

@@ -17,7 +17,7 @@ Chunked prefill and async scheduling run the same rows in ``test_engine_features
 """
 
 import pytest
-from conftest import results_of, serve
+from conftest import first_fast, results_of, serve
 from reference import greedy_with_head_masks
 from selections import compare_selections
 from workload import NEW_TOKENS, rows_of
@@ -25,7 +25,7 @@ from workload import NEW_TOKENS, rows_of
 NAMES = [row.name for row in rows_of("head_wise")]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", first_fast(NAMES))
 def test_greedy_output_equals_transformers_with_each_heads_entries(mixed_batch, reference_model, name):
     result = mixed_batch[name]
     layers = result.kept
@@ -45,6 +45,7 @@ def test_budgets_are_uneven_across_heads(mixed_batch):
     assert sum(spread > 0 for spread in spreads) > 0.5 * len(spreads), spreads
 
 
+@pytest.mark.slow  # the transformers presses run in kvpress's environment: the complete tier
 def test_head_wise_selection_equals_the_transformers_presses(mixed_batch, reference_selections):
     results = results_of(mixed_batch, "head_wise")
     names = [r.row.name for r in results]

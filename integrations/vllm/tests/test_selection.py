@@ -8,10 +8,12 @@ selections are identical (the selection functions themselves equal kvpress's pre
 tests/selection/test_scorers.py in the main suite).
 """
 
+import pytest
 from conftest import results_of
 from selections import compare_selections
 
 
+@pytest.mark.slow  # the transformers presses run in kvpress's environment: the complete tier
 def test_plugin_keeps_what_the_transformers_presses_keep(mixed_batch, reference_selections):
     results = results_of(mixed_batch, "uniform")
     names = [r.row.name for r in results]
