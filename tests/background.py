@@ -94,10 +94,13 @@ def _run(jobs: list[tuple[str, Job]]) -> None:
         try:
             with open(current.folder / "stdout.log", "w") as out, open(current.folder / "stderr.log", "w") as err:
                 # a session of its own: the job and everything it starts are stopped together
+                # OpenMP threads of a niced job sleep while they wait for each other instead of spinning: starved of
+                # a core, a spinning thread burns the share its process gets (the same threads, the same results)
+                env = {"OMP_WAIT_POLICY": "PASSIVE", **current.env}
                 process = current.process = subprocess.Popen(
                     current.command,
                     cwd=current.cwd,
-                    env=current.env,
+                    env=env,
                     stdout=out,
                     stderr=err,
                     preexec_fn=_lowest,
