@@ -85,6 +85,13 @@ def reference_request(result) -> dict:
     return request
 
 
+def compare_results(results: list, reference_selections: dict) -> tuple[list[str], dict]:
+    """:func:`compare_selections` of mixed-batch rows (``conftest.Result``) whose ``kept`` is their final selection,
+    against the transformers presses' for the same rows."""
+    names = [result.row.name for result in results]
+    return compare_selections(names, [r.kept for r in results], [reference_selections[name] for name in names])
+
+
 def compare_selections(names, plugin: list[dict], reference: list[dict]) -> tuple[list[str], dict[str, float]]:
     """Per request: a line of identical (layer, head) selections and shared entries, and the fraction of the plugin's
     kept entries the reference keeps too (``plugin``: ``{layer_name: heads}``; ``reference``: ``{layer_index:

@@ -19,7 +19,7 @@ Chunked prefill and async scheduling run the same rows in ``test_engine_features
 import pytest
 from conftest import first_fast, results_of, serve
 from reference import greedy_with_head_masks
-from selections import compare_selections
+from selections import compare_results
 from workload import NEW_TOKENS, rows_of
 
 NAMES = [row.name for row in rows_of("head_wise")]
@@ -47,11 +47,7 @@ def test_budgets_are_uneven_across_heads(mixed_batch):
 
 @pytest.mark.slow  # the transformers presses run in kvpress's environment: the complete tier
 def test_head_wise_selection_equals_the_transformers_presses(mixed_batch, reference_selections):
-    results = results_of(mixed_batch, "head_wise")
-    names = [r.row.name for r in results]
-    report, agreement = compare_selections(
-        names, [r.kept for r in results], [reference_selections[name] for name in names]
-    )
+    report, agreement = compare_results(results_of(mixed_batch, "head_wise"), reference_selections)
     print("plugin vs transformers head-wise presses:", "; ".join(report))
     assert all(value >= 0.999 for value in agreement.values()), report
 

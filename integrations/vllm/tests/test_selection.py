@@ -10,15 +10,11 @@ tests/selection/test_scorers.py in the main suite).
 
 import pytest
 from conftest import results_of
-from selections import compare_selections
+from selections import compare_results
 
 
 @pytest.mark.slow  # the transformers presses run in kvpress's environment: the complete tier
 def test_plugin_keeps_what_the_transformers_presses_keep(mixed_batch, reference_selections):
-    results = results_of(mixed_batch, "uniform")
-    names = [r.row.name for r in results]
-    report, agreement = compare_selections(
-        names, [r.kept for r in results], [reference_selections[name] for name in names]
-    )
+    report, agreement = compare_results(results_of(mixed_batch, "uniform"), reference_selections)
     print("plugin vs transformers presses:", "; ".join(report))
     assert all(value >= 0.999 for value in agreement.values()), report
