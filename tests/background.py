@@ -13,6 +13,7 @@ run beside everything else. Used by both suites (the main one's conftest and the
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import threading
@@ -26,6 +27,7 @@ MARKER = "background"
 _DECLARED: dict[str, Callable] = {}  # job name -> its factory
 _ORDER: dict[str, int] = {}  # job name -> its place in the queue (then the order modules declared them)
 _LANE: dict[str, str] = {}  # job name -> its lane (the jobs of one lane run one after another)
+_SESSION: list = []  # the session's Jobs, for the terminal summary
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Job:
     timeout: float = 1800
     returncode: int | None = None
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # user and system time of the job and of the children it waited for
     error: str = ""
     done: threading.Event = field(default_factory=threading.Event)
     process: subprocess.Popen | None = field(default=None, repr=False)
@@ -80,7 +83,13 @@ def _queue() -> list[str]:
 
 def _lowest() -> None:
     """The job's process at the lowest priority: it takes the cores the tests leave idle and slows them little (the
-    tests' engines spin on their cores; two of them at one priority share two cores badly)."""
+    tests' engines spin on their cores; two of them at one priority share two cores badly).
+
+    The job stays in the test session's Linux session: with autogroup scheduling (``kernel.sched_autogroup_enabled``,
+    the default of most distributions) every session is a scheduling group of its own, groups share the cores
+    equally and a nice value only orders the processes of its group, so a niced job in a session of its own took a
+    whole core from the 2-thread test process (whose OpenMP threads then waited for each other: its tests ran 5 to 10
+    times slower)."""
     os.nice(19)
 
 
@@ -93,7 +102,8 @@ def _run(jobs: list[tuple[str, Job]]) -> None:
             continue
         try:
             with open(current.folder / "stdout.log", "w") as out, open(current.folder / "stderr.log", "w") as err:
-                # a session of its own: the job and everything it starts are stopped together
+                # a process group of its own (in the session: see _lowest): the job and everything it starts are
+                # stopped together
                 # OpenMP threads of a niced job sleep while they wait for each other instead of spinning: starved of
                 # a core, a spinning thread burns the share its process gets (the same threads, the same results)
                 env = {"OMP_WAIT_POLICY": "PASSIVE", **current.env}
@@ -104,13 +114,11 @@ def _run(jobs: list[tuple[str, Job]]) -> None:
                     stdout=out,
                     stderr=err,
                     preexec_fn=_lowest,
-                    start_new_session=True,
+                    process_group=0,
                 )
-                try:
-                    current.returncode = process.wait(timeout=current.timeout)
-                except subprocess.TimeoutExpired:
+                if not _wait(process, current):
                     _kill(process)
-                    current.returncode = process.wait()
+                    _wait(process, current)
                     current.error = f"{name} ran past its {current.timeout:.0f} s and was killed"
         except Exception as error:  # noqa: BLE001 - reported by the test that waits for it
             current.error = f"{name} could not run: {error!r}"
@@ -118,8 +126,23 @@ def _run(jobs: list[tuple[str, Job]]) -> None:
         current.done.set()
 
 
+def _wait(process: subprocess.Popen, current: Job) -> bool:
+    """Wait for the job's process until its time is up: whether it ended (its return code and the CPU time it and
+    the children it waited for used are then kept)."""
+    deadline = time.monotonic() + current.timeout
+    while True:
+        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+        if pid:
+            current.returncode = process.returncode = os.waitstatus_to_exitcode(status)
+            current.cpu_seconds = usage.ru_utime + usage.ru_stime
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
 def _kill(process: subprocess.Popen) -> None:
-    """The job's process and everything it started (its session)."""
+    """The job's process and everything it started (its process group)."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -153,11 +176,32 @@ class Jobs:
             if current.process is not None and current.process.poll() is None:
                 _kill(current.process)
 
+    def summary(self) -> list[str]:
+        """One line per job: its time and how it ended (for the session's terminal summary)."""
+        lines = []
+        for name, current in self.jobs.items():
+            if not current.done.is_set():
+                state = "stopped with the session"
+            elif current.error:
+                state = current.error
+            else:
+                state = f"exit {current.returncode}"
+            lines.append(f"{name}: {current.seconds:.1f} s, {current.cpu_seconds:.1f} CPU-s ({state})")
+        return lines
+
     def finished(self, name: str) -> Job:
         """The job ``name`` once it has ended (its return code, output and time)."""
         current = self.jobs[name]
         current.done.wait()
         return current
+
+
+def start_session(names: list[str], tmp_path_factory) -> Jobs:
+    """The test session's jobs ``names``, started (and listed with their times in its terminal summary)."""
+    jobs = Jobs()
+    _SESSION[:] = [jobs]
+    jobs.start(names, tmp_path_factory)
+    return jobs
 
 
 def selected(items) -> list[str]:
@@ -179,3 +223,16 @@ def move_to_end(items) -> None:
 
     marked = sorted((item for item in items if key(item) >= 0), key=key)
     items[:] = [item for item in items if key(item) < 0] + marked
+
+
+def report(terminalreporter) -> None:
+    """The session's background jobs, their times and how they ended, in pytest's terminal summary."""
+    if _SESSION and _SESSION[0].jobs:
+        terminalreporter.section("background jobs")
+        for line in _SESSION[0].summary():
+            terminalreporter.write_line(line)
+        own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        terminalreporter.write_line(
+            f"CPU time of the session: {own.ru_utime + own.ru_stime:.0f} s in pytest's process, "
+            f"{children.ru_utime + children.ru_stime:.0f} s in its subprocesses (the jobs included)"
+        )

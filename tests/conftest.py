@@ -67,10 +67,13 @@ def pytest_collection_modifyitems(config, items):
 def background_jobs(tmp_path_factory):
     """The selected tests' background jobs, started with the session's first test; those still running when the
     session ends are stopped."""
-    jobs = background.Jobs()
-    jobs.start(_BACKGROUND, tmp_path_factory)
+    jobs = background.start_session(_BACKGROUND, tmp_path_factory)
     yield jobs
     jobs.stop()
+
+
+def pytest_terminal_summary(terminalreporter):
+    background.report(terminalreporter)
 
 
 @pytest.fixture

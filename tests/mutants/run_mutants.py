@@ -42,18 +42,25 @@ def worktree(rev: str) -> Path:
     return folder
 
 
+def interpreter(variable: str, venv: str) -> str:
+    """The venv's interpreter named by ``variable`` (relative to the repository, as the Makefile passes it), absolute:
+    the tests run in the worktree. Not resolved: the venv's ``python`` is a link to the base interpreter."""
+    return os.path.join(REPO, os.environ.get(variable, os.path.join(venv, "bin", "python")))
+
+
 def vllm_model() -> str:
     code = "from kvpress_critical.default_model import vllm_model_path as p; print(p())"
-    py = os.environ.get("PY", str(REPO / ".venv" / "bin" / "python"))
-    return subprocess.run([py, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        [interpreter("PY", ".venv"), "-c", code], check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def pytest_command(mutant: Mutant, tree: Path, marker: str | None) -> tuple[list[str], dict]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")
-    py = os.environ.get("PY", str(REPO / ".venv" / "bin" / "python"))
+    py = interpreter("PY", ".venv")
     tests = [str(tree / test) for test in mutant.tests if (tree / test).exists()]
     if mutant.plugin:
-        vllm_py = os.environ.get("VLLM_PY", str(REPO / ".venv-vllm" / "bin" / "python"))
+        vllm_py = interpreter("VLLM_PY", ".venv-vllm")
         env.update(
             PYTHONPATH=f"{tree / 'integrations' / 'vllm'}{os.pathsep}{tree}",
             KVPRESS_CRITICAL_PYTHON=py,

@@ -310,14 +310,17 @@ def background_jobs(tmp_path_factory):
     running, the server and the transformers presses' reference run are stopped."""
     if _SERVER["wanted"]:
         _SERVER["server"] = launch_server(tmp_path_factory.mktemp("server"), dict(ENGINE_OPTIONS))
-    jobs = background.Jobs()
-    jobs.start(_BACKGROUND, tmp_path_factory)
+    jobs = background.start_session(_BACKGROUND, tmp_path_factory)
     yield jobs
     jobs.stop()
     if _SERVER["server"] is not None and _SERVER["server"].process.poll() is None:
         stop_server(_SERVER["server"])
     if _REFERENCE_SELECTIONS["run"] is not None and _REFERENCE_SELECTIONS["run"][1].process.poll() is None:
         _REFERENCE_SELECTIONS["run"][1].process.kill()
+
+
+def pytest_terminal_summary(terminalreporter):
+    background.report(terminalreporter)
 
 
 @pytest.fixture
