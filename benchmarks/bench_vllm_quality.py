@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (the logic, not the numbers)")
     args = parse_arguments(parser, argv)
     if args.quick:
-        args.contexts, args.context_length, args.ratios = 2, 256, "0.5"
+        args.contexts, args.context_length, args.ratios = 1, 256, "0.5"
     if not args.model:
         parser.error("--model (or KVPRESS_CRITICAL_VLLM_MODEL): a model folder vLLM loads")
     if bool(args.compression_interval) != bool(args.target_size):
