@@ -18,6 +18,7 @@ from kvpress_critical.selection import (
     snapkv_scores,
     streaming_llm_scores,
     top_budget_mask,
+    window_attention,
 )
 
 
@@ -78,3 +79,21 @@ def test_streaming_llm_scores_keep_what_kvpress_keeps(k_len, ratio, n_sink):
 @pytest.mark.parametrize("ratio", [0.0, 0.1, 0.25, 0.3, 0.5, 0.7, 0.75, 0.875, 0.9, 0.999, 1.0])
 def test_compute_n_kept_is_kvpress_rule(k_len, ratio):
     assert compute_n_kept(k_len, ratio) == kvpress_compute_n_kept(k_len, ratio)
+
+
+@pytest.mark.parametrize(("group", "window", "k_len"), [(1, 4, 9), (3, 5, 5), (2, 1, 7)])
+def test_window_attention_is_causal_softmax_with_each_query_on_its_own_key(group, window, k_len):
+    """Each window query attends over every entry up to and including its own position (the reference: one softmax
+    per query, written out), grouped query heads over their KV head's keys."""
+    g = torch.Generator().manual_seed(k_len)
+    bsz, num_kv_heads, head_dim, scale = 2, 2, 8, 0.3
+    queries = torch.randn(bsz, num_kv_heads * group, window, head_dim, generator=g)
+    keys = torch.randn(bsz, num_kv_heads, k_len, head_dim, generator=g)
+    got = window_attention(queries, keys, scale)  # (B, H_kv, G, W, T)
+    for b in range(bsz):
+        for h in range(num_kv_heads * group):
+            for w in range(window):
+                position = k_len - window + w  # the query's own position: its key is the last it sees
+                row = torch.softmax(keys[b, h // group, : position + 1] @ queries[b, h, w] * scale, dim=0)
+                expected = torch.cat([row, torch.zeros(k_len - position - 1)])
+                torch.testing.assert_close(got[b, h // group, h % group, w], expected, rtol=1e-5, atol=1e-6)
