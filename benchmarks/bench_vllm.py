@@ -65,13 +65,16 @@ def workload(ids: list[int], args, seed: int = 0) -> list[tuple[list[int], int]]
 
 
 def request_options(press: tuple | None) -> dict | None:
-    """The plugin's per-request options of a configuration ``(name, ratio, chunk_size, interval, target)``."""
+    """The plugin's per-request options of a configuration ``(name, ratio, chunk_size, interval, target, window)``
+    (``window`` 0: the press's default observation window)."""
     if press is None:
         return None
-    name, ratio, chunk, interval, target = press
+    name, ratio, chunk, interval, target, window = press
     options = {"press": name, "compression_ratio": ratio, "chunk_size": chunk}
     if interval:
         options.update(compression_interval=interval, target_size=target)
+    if window:
+        options.update(window_size=window)
     return {"kvpress_critical": options}
 
 
@@ -155,6 +158,7 @@ def summarise(measured: dict, configs: list) -> tuple[list[dict], list[list]]:
             "chunk_size": press[2] if press else 0,
             "compression_interval": press[3] if press else 0,
             "target_size": press[4] if press else 0,
+            "window_size": press[5] if press else 0,
             **median,
             "repeats": len(measured[name]),
             "output_throughput_vs_vllm": statistics.median(
@@ -211,6 +215,9 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk-sizes", default="0", help="comma-separated chunk_size values; 0: after the prompt")
     parser.add_argument("--compression-interval", type=int, default=0, help="with --target-size: decoding rows too")
     parser.add_argument("--target-size", type=int, default=0, help="entries per head kept while decoding")
+    parser.add_argument(
+        "--window-size", type=int, default=0, help="SnapKV's observation window (0: the plugin's default, 64)"
+    )
     parser.add_argument("--lone-prompt", type=int, default=0, help="TTFT of one prompt of this many tokens alone")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--min-prompt", type=int, default=1024)
@@ -255,8 +262,13 @@ def main(argv=None) -> int:
     presses = args.presses.split(",")
     chunks = [int(c) for c in args.chunk_sizes.split(",")]
     decoding = [(0, 0)] + ([(args.compression_interval, args.target_size)] if args.compression_interval else [])
+    w = args.window_size
+
+    def label(press: str, r: float, c: int, i: int, t: int) -> str:
+        return f"{press} {r}" + (f" chunk {c}" if c else "") + (f" decode {i}/{t}" if i else "")
+
     configs = [("vLLM", stock, None)] + [
-        (f"{press} {r}" + (f" chunk {c}" if c else "") + (f" decode {i}/{t}" if i else ""), plugin, (press, r, c, i, t))
+        (label(press, r, c, i, t), plugin, (press, r, c, i, t, w))
         for r in ratios
         for press in presses
         for c in chunks
@@ -276,6 +288,7 @@ def main(argv=None) -> int:
                 f"{args.requests} requests submitted at once, prompts of {args.min_prompt}-{args.max_prompt} tokens, "
                 f"{args.min_new}-{args.max_new} new tokens (end of sequence ignored, greedy)"
                 + (f", then one {args.lone_prompt}-token prompt alone (lone TTFT)" if lone else "")
+                + (f"; SnapKV's window {args.window_size} tokens" if args.window_size else "")
                 + "; one KV pool of "
                 f"{blocks} blocks of {args.block_size} tokens ({args.pool_tokens} tokens, {args.dtype}) for both "
                 f"engines; engines in one process, enforce_eager, no prefix caching; medians of {repeat + 1} "

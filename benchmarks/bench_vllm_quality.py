@@ -95,17 +95,21 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk-size", type=int, default=0, help="add rows compressed after every chunk of this size")
     parser.add_argument("--compression-interval", type=int, default=0, help="add rows compressed while decoding too")
     parser.add_argument("--target-size", type=int, default=0, help="entries per head kept while decoding")
+    parser.add_argument(
+        "--window-size", type=int, default=0, help="SnapKV's observation window (0: the plugin's default, 64)"
+    )
     parser.add_argument("--ignore-eos", action="store_true", help="every answer --max-new tokens long")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (the logic, not the numbers)")
     args = parse_arguments(parser, argv)
     if args.quick:
-        args.contexts, args.context_length, args.ratios = 1, 256, "0.5"
+        args.contexts, args.context_length, args.ratios = 2, 256, "0.5"
     if not args.model:
         parser.error("--model (or KVPRESS_CRITICAL_VLLM_MODEL): a model folder vLLM loads")
     if bool(args.compression_interval) != bool(args.target_size):
         parser.error("--compression-interval and --target-size go together (compression while decoding needs both)")
     import numpy as np
-    from transformers import AutoTokenizer
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
     from vllm import LLM, SamplingParams
 
     from evaluation.bootstrap import mean_difference, paired_bootstrap
@@ -122,19 +126,28 @@ def main(argv=None) -> int:
         for row in data.itertuples()
     ]
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-    llm = LLM(
-        args.model, dtype=args.dtype, enforce_eager=True, block_size=args.block_size, seed=0,
-        max_model_len=max(map(len, prompts)) + args.max_new, kv_cache_memory_bytes=512 * 2**20,
-        enable_prefix_caching=False, additional_config={"kvpress_critical": {"compression_ratio": 0.0}},
-    )  # fmt: skip
     ratios = [float(r) for r in args.ratios.split(",")]
     configs = configurations(
         args.presses.split(","), ratios, args.chunk_size, args.compression_interval, args.target_size
     )
+    # a pool for every request at once, uncompressed (between 512 MiB and 4 GiB): fewer preemptions, whose recomputed
+    # prompts change no answer but cost time
+    config = AutoConfig.from_pretrained(args.model)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    token_bytes = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element
+    tokens = len(configs) * sum(len(p) + args.max_new + args.block_size for p in prompts)
+    llm = LLM(
+        args.model, dtype=args.dtype, enforce_eager=True, block_size=args.block_size, seed=0,
+        max_model_len=max(map(len, prompts)) + args.max_new,
+        kv_cache_memory_bytes=min(4 * 2**30, max(512 * 2**20, tokens * token_bytes)),
+        enable_prefix_caching=False, additional_config={"kvpress_critical": {"compression_ratio": 0.0}},
+    )  # fmt: skip
     # every configuration's requests in one call (each request carries its options): the engine batches them
     requests, params = [], []
     for label, _, ratio, options, _ in configs:
-        extra = {"kvpress_critical": {"compression_ratio": ratio, **options}}
+        window = {"window_size": args.window_size} if args.window_size and options else {}
+        extra = {"kvpress_critical": {"compression_ratio": ratio, **options, **window}}
         sampling = SamplingParams(max_tokens=args.max_new, temperature=0, ignore_eos=args.ignore_eos, extra_args=extra)
         requests += [{"prompt_token_ids": p} for p in prompts]
         params += [sampling] * len(prompts)

@@ -3,6 +3,7 @@
     python tests/mutants/run_mutants.py                      # this checkout's HEAD, fast tier then complete suite
     python tests/mutants/run_mutants.py --rev 1e1ef78        # an earlier revision's tests (its complete suite)
     python tests/mutants/run_mutants.py --only ops-bf16-odd-channel --out outputs/mutants/one.json
+    python tests/mutants/run_mutants.py --compare outputs/mutants/before.json outputs/mutants/after.json  # a table
 
 For each mutant: a git worktree of ``--rev`` (made once, under ``outputs/mutants/``) gets the one-line change, the
 mutant's test files run there (``-x``: the first failure is enough) and the change is undone. With ``--tiers`` (the
@@ -124,13 +125,38 @@ def write_atomically(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
+def compare(before: Path, after: Path) -> str:
+    """A markdown table of two runs' results (an earlier revision's, then this one's with its tiers), by mutant."""
+    old = {r["mutant"]: r for r in json.loads(before.read_text())["results"]}
+    new = {r["mutant"]: r for r in json.loads(after.read_text())["results"]}
+    mark = {True: "yes", False: "**no**", None: "not run"}
+    lines = [
+        f"| mutant | area | caught at {json.loads(before.read_text())['rev']} | caught now (complete) | "
+        "caught now (fast tier) | first failure now |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mutant in MUTANTS:
+        was, now = old.get(mutant.name), new.get(mutant.name)
+        first = now["complete"]["first_failure"].split("::")[-1] if now and now["complete"]["caught"] else ""
+        lines.append(
+            f"| `{mutant.name}` | {mutant.area} | {mark[was['complete']['caught'] if was else None]} | "
+            f"{mark[now['complete']['caught'] if now else None]} | "
+            f"{mark[now.get('fast', {}).get('caught') if now else None]} | {first} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rev", default="HEAD", help="the revision whose tests run (default HEAD)")
     parser.add_argument("--only", nargs="*", help="mutant names (default: all)")
     parser.add_argument("--no-tiers", action="store_true", help="run each mutant's test files once, complete")
     parser.add_argument("--out", help="results JSON (default outputs/mutants/<rev>.json; never overwritten)")
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="print two runs' results side by side")
     args = parser.parse_args(argv)
+    if args.compare:
+        print(compare(*map(Path, args.compare)))
+        return 0
     tree = worktree(args.rev)
     sha = tree.name.removeprefix("tree-")
     out = Path(args.out) if args.out else REPO / "outputs" / "mutants" / f"{sha}-{time.strftime('%Y%m%d-%H%M%S')}.json"

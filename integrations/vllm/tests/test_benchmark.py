@@ -20,7 +20,7 @@ def script_job(tmp_path_factory, name: str, *args: str) -> background.Job:
 @background.job("bench-vllm")
 def bench_vllm_job(tmp_path_factory) -> background.Job:
     return script_job(tmp_path_factory, "bench_vllm", "--quick", "--ratios", "0,0.75", "--chunk-sizes", "0,128",
-                      "--compression-interval", "72", "--target-size", "96",
+                      "--compression-interval", "40", "--target-size", "48", "--window-size", "32",
                       "--lone-prompt", "150")  # fmt: skip
 
 
@@ -28,7 +28,8 @@ def bench_vllm_job(tmp_path_factory) -> background.Job:
 def bench_vllm_quality_job(tmp_path_factory) -> background.Job:
     return script_job(
         tmp_path_factory, "bench_vllm_quality", "--quick", "--presses", "critical_snapkv,critical_adakv_snapkv",
-        "--chunk-size", "128", "--compression-interval", "72", "--target-size", "96", "--ignore-eos", "--max-new", "80",
+        "--chunk-size", "128", "--compression-interval", "40", "--target-size", "48", "--window-size", "32",
+        "--ignore-eos", "--max-new", "48",
     )  # fmt: skip
 
 
@@ -38,8 +39,8 @@ def test_bench_vllm_quick_writes_its_table(background_job):
     table = (background_job.cwd / "vllm_cpu.md").read_text()
     assert "| vLLM |" in table and "| critical_snapkv 0.75 |" in table and "| critical_adakv_snapkv 0.75 |" in table
     assert "| critical_snapkv 0.75 chunk 128 |" in table and "| critical_adakv_snapkv 0.75 chunk" not in table
-    assert "| critical_snapkv 0.75 chunk 128 decode 72/96 |" in table
-    assert "| critical_snapkv 0.0 decode 72/96 |" in table and "| critical_snapkv 0.0 |" not in table
+    assert "| critical_snapkv 0.75 chunk 128 decode 40/48 |" in table
+    assert "| critical_snapkv 0.0 decode 40/48 |" in table and "| critical_snapkv 0.0 |" not in table
     assert "| critical_adakv_snapkv 0.75 decode" not in table and "| critical_adakv_snapkv 0.0" not in table
     # stock vLLM, 2 decoding-only rows at ratio 0, 4 uniform rows and the head-wise row at 0.75: a header and 8 rows
     assert (background_job.cwd / "vllm_cpu.csv").read_text().count("\n") == 9
@@ -52,8 +53,8 @@ def test_bench_vllm_quality_quick_writes_its_table(background_job):
     assert "| uncompressed | 0.00 | 1.000 |" in table  # the reference agrees with itself
     assert "(vs critical_snapkv) |" in table  # the head-wise press against its uniform one
     assert "| critical_adakv_snapkv chunk" not in table and "| critical_adakv_snapkv decode" not in table
-    assert "| critical_snapkv decode 72/96 | 0.00 |" in table  # only the generation compressed
-    for schedule in ("chunk 128", "decode 72/96", "chunk 128 decode 72/96"):
+    assert "| critical_snapkv decode 40/48 | 0.00 |" in table  # only the generation compressed
+    for schedule in ("chunk 128", "decode 40/48", "chunk 128 decode 40/48"):
         assert f"| critical_snapkv {schedule} | 0.50 |" in table
     assert table.count("(vs critical_snapkv after the prompt)") == 3 and table.count("(vs uncompressed)") == 1
     # uncompressed, the decoding-only row, 2 presses at 0.5 and the uniform one's 3 schedules: a header and 7 rows
