@@ -15,6 +15,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import itertools  # noqa: E402
 import json  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
@@ -187,17 +188,22 @@ small_pool_engine = _checked_engine("small_pool")
 bounded_engine = _checked_engine("bounded")
 
 
-def run_to_end(llm) -> tuple[dict[str, list[int]], int]:
-    """Step an in-process engine until its requests finish: the tokens of each (by request id), and the most requests
-    that ran at once."""
-    scheduler = scheduler_of(llm)
-    tokens, peak = {}, 0
-    while llm.llm_engine.has_unfinished_requests():
-        for output in llm.llm_engine.step():
-            if output.finished:
-                tokens[output.request_id] = list(output.outputs[0].token_ids)
-        peak = max(peak, len(scheduler.running))
-    return tokens, peak
+def step_limit(scheduler) -> int:
+    """Steps an engine may take to finish the requests it holds: three times their tokens (a step computes at least
+    one token of a request; preempted ones recompute theirs), so that a request that can never be admitted, or is
+    preempted and recomputed forever, fails its test instead of stalling the suite."""
+    return 100 + 3 * sum(r.num_prompt_tokens + r.max_tokens for r in scheduler.requests.values())
+
+
+def step_checked(llm, limit: int, step: int) -> list:
+    """One step of an in-process engine, the ``step``-th; past ``limit`` the test fails with the scheduler's state."""
+    if step > limit:
+        scheduler = scheduler_of(llm)
+        state = {
+            r.request_id: (r.status.name, r.num_computed_tokens, r.num_preemptions) for r in scheduler.requests.values()
+        }
+        pytest.fail(f"the engine took {step} steps for requests worth at most {limit}: it makes no progress {state}")
+    return llm.llm_engine.step()
 
 
 @dataclass
@@ -219,9 +225,11 @@ def serve(llm, requests: dict, on_step=None) -> Served:
     for name, (prompt, params) in requests.items():
         llm.llm_engine.add_request(name, {"prompt_token_ids": prompt}, params)
     ids = {rid.rpartition("-")[0]: rid for rid in scheduler.requests if rid.rpartition("-")[0] in requests}
-    tokens, finish, peak = {}, {}, 0
-    while llm.llm_engine.has_unfinished_requests():
-        for output in llm.llm_engine.step():
+    tokens, finish, peak, limit = {}, {}, 0, step_limit(scheduler)
+    for step in itertools.count(1):
+        if not llm.llm_engine.has_unfinished_requests():
+            break
+        for output in step_checked(llm, limit, step):
             if output.finished:
                 tokens[output.request_id] = list(output.outputs[0].token_ids)
                 finish[output.request_id] = output.outputs[0].finish_reason
