@@ -149,8 +149,11 @@ def assert_idle(llm) -> None:
         engine.engine_core.engine_core.abort_requests(leftover)
     # the engine's own options: a 3-token prompt is never compacted, and fits any pool whole
     engine.add_request(f"idle-probe-{next(_PROBES)}", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=1))
-    while engine.has_unfinished_requests():
-        engine.step()
+    limit = step_limit(scheduler)
+    for step in itertools.count(1):
+        if not engine.has_unfinished_requests():
+            break
+        step_checked(llm, limit, step)
     pool = scheduler.kv_cache_manager.block_pool
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
     state = {
