@@ -224,9 +224,12 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # NaN is not
 
 
-def check_options(options: CompressionOptions, where: str, engine: CompressionOptions | None = None) -> None:
+def check_options(
+    options: CompressionOptions, where: str, engine: CompressionOptions | None = None, relations: bool = True
+) -> None:
     """
-    Raise :class:`OptionsError` naming the first option of ``options`` that is out of its range.
+    Raise :class:`OptionsError` naming the first option of ``options`` that is out of its range, then (``relations``)
+    the first that does not go with another (:func:`check_relations`).
 
     ``engine`` gives the bounds of ``window_size`` and ``kernel_size`` (the engine's ``max_window_size`` and
     ``max_kernel_size``); ``options`` itself when None (the engine's own options).
@@ -268,6 +271,27 @@ def check_options(options: CompressionOptions, where: str, engine: CompressionOp
         raise fail("alpha_safeguard", "a number in [0, 1]")
     if not _is_integer(options.chunk_size) or not 0 <= options.chunk_size <= CHUNK_LIMIT:
         raise fail("chunk_size", f"an integer in [0, {CHUNK_LIMIT}] (0: compress once, after the whole prompt)")
+    for name in ("compression_interval", "target_size"):
+        if not _is_integer(getattr(options, name)) or not 0 <= getattr(options, name) <= CHUNK_LIMIT:
+            raise fail(name, f"an integer in [0, {CHUNK_LIMIT}] (0 with the other: no compression while decoding)")
+    if options.norm not in ("l1", "l2"):
+        raise fail("norm", "'l1' or 'l2'")
+    if options.backend not in BACKENDS:
+        raise fail("backend", f"one of {', '.join(BACKENDS)}")
+    if options.attention_backend not in ATTENTION_BACKENDS:
+        raise fail("attention_backend", f"one of {', '.join(ATTENTION_BACKENDS)}")
+    if not isinstance(options.record_selections, bool):
+        raise fail("record_selections", "true or false")
+    if relations:
+        check_relations(options, where)
+
+
+def check_relations(options: CompressionOptions, where: str) -> None:
+    """Raise :class:`OptionsError` where two options of ``options`` (each in its range) do not go together."""
+
+    def fail(name: str, allowed: str) -> OptionsError:
+        return OptionsError(f"{where}: {name}={getattr(options, name)!r} is not allowed: {allowed}", option=name)
+
     if options.chunk_size and options.needs_queries and options.chunk_size <= options.window_size:
         raise fail(
             "chunk_size",
@@ -280,9 +304,6 @@ def check_options(options: CompressionOptions, where: str, engine: CompressionOp
             "snapkv...) with chunk_size, or chunk_size=0",
             option="chunk_size",
         )
-    for name in ("compression_interval", "target_size"):
-        if not _is_integer(getattr(options, name)) or not 0 <= getattr(options, name) <= CHUNK_LIMIT:
-            raise fail(name, f"an integer in [0, {CHUNK_LIMIT}] (0 with the other: no compression while decoding)")
     if bool(options.compression_interval) != bool(options.target_size):
         missing = "target_size" if options.compression_interval else "compression_interval"
         raise OptionsError(
@@ -305,14 +326,6 @@ def check_options(options: CompressionOptions, where: str, engine: CompressionOp
             "uniform press (critical_snapkv, snapkv...) to compress while decoding, or compression_interval=0",
             option="compression_interval",
         )
-    if options.norm not in ("l1", "l2"):
-        raise fail("norm", "'l1' or 'l2'")
-    if options.backend not in BACKENDS:
-        raise fail("backend", f"one of {', '.join(BACKENDS)}")
-    if options.attention_backend not in ATTENTION_BACKENDS:
-        raise fail("attention_backend", f"one of {', '.join(ATTENTION_BACKENDS)}")
-    if not isinstance(options.record_selections, bool):
-        raise fail("record_selections", "true or false")
 
 
 def check_layout(
@@ -417,11 +430,12 @@ def resolve_options(
 
 def validate_request_overrides(extra_args: Any) -> None:
     """
-    Check a request's overrides before the engine is known (names, types, ranges but the engine's bounds on
-    ``window_size`` and ``kernel_size``, which :func:`resolve_options` checks where the engine's configuration is at
-    hand, so that the message gives the engine's own bound).
+    Check a request's overrides before the engine is known: names, types and ranges, but neither the engine's bounds
+    on ``window_size`` and ``kernel_size`` nor how the overrides go with the options they do not set (a
+    ``compression_interval`` against the engine's ``window_size``...), which :func:`resolve_options` checks where
+    the engine's options are at hand (the request's input processor), so that the message gives the engine's own.
     """
     overrides = request_overrides(extra_args)
     if overrides:
         unbounded = replace(_DEFAULTS, max_window_size=_UNBOUNDED, max_kernel_size=_UNBOUNDED)
-        check_options(replace(unbounded, **overrides), REQUEST_WHERE, unbounded)
+        check_options(replace(unbounded, **overrides), REQUEST_WHERE, unbounded, relations=False)

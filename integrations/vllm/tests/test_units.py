@@ -574,3 +574,19 @@ def test_attention_the_plugin_does_not_carry_refuses(impl, variant):
     with pytest.raises(EngineConfigError, match=variant):
         check_attention_impl("model.layers.0.self_attn.attn", impl)
     check_attention_impl("model.layers.0.self_attn.attn", SimpleNamespace(alibi_slopes=None, logits_soft_cap=0))
+
+
+def test_a_request_is_checked_against_its_engines_options_not_the_defaults():
+    """Before the engine is known (SamplingParams), only each override's own range is checked: a decoding interval
+    of 40 is valid on an engine whose window is 32 (the default window, 64, would refuse it); the engine's input
+    processor then checks how the overrides go with the engine's own options."""
+    from kvpress_critical_vllm.options import validate_request_overrides
+
+    request = {"kvpress_critical": {"compression_interval": 40, "target_size": 64}}
+    validate_request_overrides(request)
+    narrow = CompressionOptions(compression_ratio=0.5, window_size=32)
+    assert resolve_options(narrow, request).compression_interval == 40
+    with pytest.raises(OptionsError, match="compression_interval=40 is not allowed: more than window_size=64"):
+        resolve_options(CompressionOptions(compression_ratio=0.5), request)
+    with pytest.raises(OptionsError, match="chunk_size=-1"):  # a range is still checked before the engine
+        validate_request_overrides({"kvpress_critical": {"chunk_size": -1}})
