@@ -20,8 +20,12 @@ kvpress.
 
 from __future__ import annotations
 
+import difflib
+import logging
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 CONFIG_KEY = "kvpress_critical"
 
@@ -216,6 +220,19 @@ _UNBOUNDED = 2**62  # the bounds of window_size and kernel_size before the engin
 _DEFAULTS = CompressionOptions()
 
 
+SHOWN_CHARS = 80  # the most characters of a bad value an error message repeats
+
+
+def _cut(text: str) -> str:
+    """``text`` cut to about :data:`SHOWN_CHARS` characters: a client's 100 KB value is not echoed whole."""
+    return text if len(text) <= SHOWN_CHARS else f"{text[: SHOWN_CHARS - 30]}... ({len(text)} characters)"
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut (:func:`_cut`)."""
+    return _cut(repr(value))
+
+
 def _is_integer(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -237,7 +254,7 @@ def check_options(
     limits = engine if engine is not None else options
 
     def fail(name: str, allowed: str) -> OptionsError:
-        return OptionsError(f"{where}: {name}={getattr(options, name)!r} is not allowed: {allowed}", option=name)
+        return OptionsError(f"{where}: {name}={_shown(getattr(options, name))} is not allowed: {allowed}", option=name)
 
     if not isinstance(options.press, str) or options.press not in PRESSES:
         if isinstance(options.press, str) and options.press in REFUSED_PRESSES:
@@ -290,7 +307,7 @@ def check_relations(options: CompressionOptions, where: str) -> None:
     """Raise :class:`OptionsError` where two options of ``options`` (each in its range) do not go together."""
 
     def fail(name: str, allowed: str) -> OptionsError:
-        return OptionsError(f"{where}: {name}={getattr(options, name)!r} is not allowed: {allowed}", option=name)
+        return OptionsError(f"{where}: {name}={_shown(getattr(options, name))} is not allowed: {allowed}", option=name)
 
     if options.chunk_size and options.needs_queries and options.chunk_size <= options.window_size:
         raise fail(
@@ -354,7 +371,7 @@ def check_layout(
 
 
 def _unknown(values: dict, allowed, where: str) -> None:
-    unknown = sorted(set(values) - set(allowed))
+    unknown = sorted(_cut(str(name)) for name in set(values) - set(allowed))
     if not unknown:
         return
     engine_only = [name for name in unknown if name in ENGINE_ONLY]
@@ -377,6 +394,8 @@ def engine_options(additional_config: Any) -> CompressionOptions | None:
     never leaves the cache uncompressed by default without a word.
     """
     if not isinstance(additional_config, dict) or CONFIG_KEY not in additional_config:
+        if isinstance(additional_config, dict):
+            warn_misspelt(additional_config, "additional_config")
         return None
     values = additional_config[CONFIG_KEY]
     where = f"additional_config[{CONFIG_KEY!r}]"
@@ -395,6 +414,23 @@ def engine_options(additional_config: Any) -> CompressionOptions | None:
 
 
 REQUEST_WHERE = f"SamplingParams.extra_args[{CONFIG_KEY!r}]"
+_WARNED: set[str] = set()  # the misspelt keys already warned about (once each: a client may send one per request)
+
+
+def warn_misspelt(mapping: dict, where: str) -> None:
+    """One warning per key of ``mapping`` whose prefix (before a ``.``) is close to ``kvpress_critical`` but not it
+    (``kvpress_critcal.compression_ratio``, ``kvpress-critical``): vLLM passes unknown keys on without a word, so the
+    option would be ignored silently."""
+    for key in mapping:
+        if not isinstance(key, str) or key in _WARNED or len(_WARNED) >= 1000:
+            continue
+        prefix = key.split(".", 1)[0]
+        if prefix != CONFIG_KEY and difflib.SequenceMatcher(None, prefix.lower(), CONFIG_KEY).ratio() >= 0.85:
+            _WARNED.add(key)
+            logger.warning(
+                "%s has the key %s, close to %r: the plugin reads only %r and %r keys, so it is ignored",
+                where, _cut(repr(key)), CONFIG_KEY, CONFIG_KEY, f"{CONFIG_KEY}.<option>",
+            )  # fmt: skip
 
 
 def request_overrides(extra_args: Any) -> dict[str, Any]:
@@ -404,6 +440,7 @@ def request_overrides(extra_args: Any) -> dict[str, Any]:
     """
     if not isinstance(extra_args, dict):
         return {}
+    warn_misspelt(extra_args, "SamplingParams.extra_args")
     values = extra_args.get(CONFIG_KEY, {})
     if not isinstance(values, dict):
         raise OptionsError(f"{REQUEST_WHERE} must be a dict of options, got {type(values).__name__}")

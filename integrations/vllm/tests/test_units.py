@@ -590,3 +590,21 @@ def test_a_request_is_checked_against_its_engines_options_not_the_defaults():
         resolve_options(CompressionOptions(compression_ratio=0.5), request)
     with pytest.raises(OptionsError, match="chunk_size=-1"):  # a range is still checked before the engine
         validate_request_overrides({"kvpress_critical": {"chunk_size": -1}})
+
+
+def test_a_misspelt_prefix_is_warned_once_and_a_long_bad_value_is_not_echoed_whole(caplog):
+    from kvpress_critical_vllm import options as module
+
+    module._WARNED.discard("kvpress_critcal.compression_ratio")
+    with caplog.at_level("WARNING", logger=module.__name__):
+        for _ in range(3):  # one warning, not one per request
+            assert module.request_overrides({"kvpress_critcal.compression_ratio": 0.5, "seed": 1}) == {}
+    warned = [r.getMessage() for r in caplog.records if "kvpress_critcal" in r.getMessage()]
+    assert len(warned) == 1 and "ignored" in warned[0], caplog.text
+    assert not any("seed" in r.getMessage() for r in caplog.records)
+    with pytest.raises(OptionsError) as error:
+        module.validate_request_overrides({"kvpress_critical": {"press": "x" * 100_000}})
+    assert len(str(error.value)) < 1000 and "100002 characters" in str(error.value)
+    with pytest.raises(OptionsError) as error:
+        module.validate_request_overrides({"kvpress_critical": {"y" * 100_000: 1}})
+    assert len(str(error.value)) < 2000 and "100000 characters" in str(error.value)
