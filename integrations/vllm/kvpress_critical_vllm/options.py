@@ -62,10 +62,24 @@ REFUSED_PRESSES = {
     "streaming_llm or critical_streaming_llm",
     "critical_adakv_streaming_llm": "StreamingLLM scores every kept entry alike, so AdaKV's budgets would only order "
     "ties; use streaming_llm or critical_streaming_llm",
-    "headkv": "HeadKV's budgets come from offline head scores the plugin does not load; use "
+    "headkv_snapkv": "HeadKV's budgets come from offline head scores the plugin does not load; use "
     "kvpress_critical.HeadKVPress in transformers",
-    "critical_headkv": "HeadKV's budgets come from offline head scores the plugin does not load; use "
+    "critical_headkv_snapkv": "HeadKV's budgets come from offline head scores the plugin does not load; use "
     "kvpress_critical.CriticalHeadKVPress in transformers",
+    "headkv_expected_attention_no_vnorm": "HeadKV's budgets come from offline head scores the plugin does not load; "
+    "use kvpress_critical.HeadKVPress in transformers",
+    "critical_headkv_expected_attention": "HeadKV's budgets come from offline head scores the plugin does not load; "
+    "use kvpress_critical.CriticalHeadKVPress in transformers",
+    **dict.fromkeys(
+        (
+            "expected_attention_no_vnorm",
+            "critical_expected_attention",
+            "adakv_expected_attention_no_vnorm",
+            "critical_adakv_expected_attention",
+        ),
+        "ExpectedAttention's scores (from the statistics of the queries to come) are not in the plugin; use it in "
+        "transformers (kvpress's ExpectedAttentionPress, inside kvpress_critical.CriticalKVPress)",
+    ),
     "defensivekv": "DefensiveKV's worst-case scores are not in the plugin; use kvpress_critical.DefensiveKVPress in "
     "transformers",
     "layer_defensivekv": "Layer-DefensiveKV selects across all layers at once, after the last one; use "

@@ -136,7 +136,7 @@ def test_sliding_window_models_refuse(tmp_path):
     "options,message",
     [
         ({"press": "critical_adakv", "compression_ratio": 0.5}, "choose one of"),
-        ({"press": "headkv", "compression_ratio": 0.5}, "HeadKV's budgets"),
+        ({"press": "headkv_snapkv", "compression_ratio": 0.5}, "HeadKV's budgets"),
         ({"press": "adakv_knorm", "compression_ratio": 0.5}, "N mod block_size"),
         ({"press": "adakv_snapkv", "compression_ratio": 0.5, "window_size": 16}, "at least block_size - 1"),
         ({"press": "tova", "compression_ratio": 0.5}, "choose one of"),
@@ -152,6 +152,24 @@ def test_sliding_window_models_refuse(tmp_path):
 def test_bad_plugin_options_refuse(options, message):
     with pytest.raises(OptionsError, match=message):
         build(plugin={"kvpress_critical": options})
+
+
+def test_every_press_of_the_evaluation_registry_is_served_or_refused_by_its_name():
+    """The names a user knows from the sweeps (evaluation/registry.py) are the names the plugin runs or refuses with
+    a reason: none falls through to the generic "choose one of"."""
+    import sys
+
+    from conftest import REPO
+    from kvpress_critical_vllm.options import PRESSES, REFUSED_PRESSES
+
+    sys.path.insert(0, str(REPO))
+    try:
+        from evaluation.registry import CRITICAL_BASES, FOLLOW_UPS
+    finally:
+        sys.path.remove(str(REPO))
+    names = {*CRITICAL_BASES, *CRITICAL_BASES.values(), *FOLLOW_UPS, *FOLLOW_UPS.values()}
+    assert names - set(PRESSES) - set(REFUSED_PRESSES) == set()
+    assert "headkv_snapkv" in REFUSED_PRESSES and "critical_expected_attention" in REFUSED_PRESSES
 
 
 @pytest.mark.parametrize(
