@@ -3,7 +3,8 @@
 Each mutant replaces one line (``before``, found exactly once in ``path``) with ``after``: an off-by-one in the
 evicted blocks, a freed block still read, a wrong group index in a kernel, and so on. ``run_mutants.py`` applies each
 one to a copy of the repository at a revision, runs the tests of its module there (``tests``: the test files, which
-exist under these names in every revision the table compares) and restores it. A mutant the tests do not catch is a
+exist under these names in the revisions the table compares; a file a revision lacks is skipped there) and restores
+it. A mutant the tests do not catch is a
 behaviour no test checks.
 """
 
@@ -99,7 +100,7 @@ MUTANTS = (
         "        gone.update(scheduler_output.scheduled_cached_reqs.resumed_req_ids)",
         "        gone.update(())",
         "a preempted request that resumes keeps its old shift while it is recomputed from its first token",
-        plugin_tests("engine_features", "head_wise", "chunked", "decoding"),
+        plugin_tests("engine_features", "head_wise", "chunked", "decoding", "preemption"),
     ),
     Mutant(
         "worker-head-wise-counts-with-the-tail", "worker", f"{PLUGIN}/worker_state.py",
