@@ -4,8 +4,7 @@ Each mutant replaces one line (``before``, found exactly once in ``path``) with 
 evicted blocks, a freed block still read, a wrong group index in a kernel, and so on. ``run_mutants.py`` applies each
 one to a copy of the repository at a revision, runs the tests of its module there (``tests``: the test files, which
 exist under these names in the revisions the table compares; a file a revision lacks is skipped there) and restores
-it. A mutant the tests do not catch is a
-behaviour no test checks.
+it. A mutant the tests do not catch is a behaviour no test checks.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def pytest_command(mutant: Mutant, tree: Path, marker: str | None) -> tuple[list
     else:
         env["PYTHONPATH"] = str(tree)
         command = [py, "-m", "pytest", "-c", str(tree / "pyproject.toml"), "--rootdir", str(tree)]
-    command += ["-q", "-x", "-rf", "-p", "no:cacheprovider", *tests]
+    command += ["-q", "-x", "-rfE", "-p", "no:cacheprovider", *tests]
     if marker:
         command += ["-m", marker]
     return command, env
@@ -125,10 +125,11 @@ def write_atomically(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
-def compare(before: Path, after: Path) -> str:
-    """A markdown table of two runs' results (an earlier revision's, then this one's with its tiers), by mutant."""
+def compare(before: Path, *after: Path) -> str:
+    """A markdown table of runs' results: an earlier revision's, then this one's with its tiers (from several runs,
+    the last run of a mutant counts), by mutant."""
     old = {r["mutant"]: r for r in json.loads(before.read_text())["results"]}
-    new = {r["mutant"]: r for r in json.loads(after.read_text())["results"]}
+    new = {r["mutant"]: r for path in after for r in json.loads(path.read_text())["results"]}
     mark = {True: "yes", False: "**no**", None: "not run"}
     lines = [
         f"| mutant | area | caught at {json.loads(before.read_text())['rev']} | caught now (complete) | "
@@ -152,9 +153,13 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", help="mutant names (default: all)")
     parser.add_argument("--no-tiers", action="store_true", help="run each mutant's test files once, complete")
     parser.add_argument("--out", help="results JSON (default outputs/mutants/<rev>.json; never overwritten)")
-    parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="print two runs' results side by side")
+    parser.add_argument(
+        "--compare", nargs="+", metavar="RUN", help="BEFORE AFTER [AFTER...]: print runs' results side by side"
+    )
     args = parser.parse_args(argv)
     if args.compare:
+        if len(args.compare) < 2:
+            parser.error("--compare needs an earlier run and at least one later run")
         print(compare(*map(Path, args.compare)))
         return 0
     tree = worktree(args.rev)
