@@ -149,11 +149,8 @@ def assert_idle(llm) -> None:
         engine.engine_core.engine_core.abort_requests(leftover)
     # the engine's own options: a 3-token prompt is never compacted, and fits any pool whole
     engine.add_request(f"idle-probe-{next(_PROBES)}", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=1))
-    limit = step_limit(scheduler)
-    for step in itertools.count(1):
-        if not engine.has_unfinished_requests():
-            break
-        step_checked(llm, limit, step)
+    for _ in stepped(llm):
+        pass
     pool = scheduler.kv_cache_manager.block_pool
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
     state = {
@@ -198,15 +195,23 @@ def step_limit(scheduler) -> int:
     return 100 + 3 * sum(r.num_prompt_tokens + r.max_tokens for r in scheduler.requests.values())
 
 
-def step_checked(llm, limit: int, step: int) -> list:
-    """One step of an in-process engine, the ``step``-th; past ``limit`` the test fails with the scheduler's state."""
-    if step > limit:
-        scheduler = scheduler_of(llm)
-        state = {
-            r.request_id: (r.status.name, r.num_computed_tokens, r.num_preemptions) for r in scheduler.requests.values()
-        }
-        pytest.fail(f"the engine took {step} steps for requests worth at most {limit}: it makes no progress {state}")
-    return llm.llm_engine.step()
+def stepped(llm):
+    """The outputs of each step of an in-process engine until it holds no request (the requests are counted at the
+    first step); past :func:`step_limit` steps the test fails with the scheduler's state."""
+    scheduler = scheduler_of(llm)
+    limit = step_limit(scheduler)
+    for step in itertools.count(1):
+        if not llm.llm_engine.has_unfinished_requests():
+            return
+        if step > limit:
+            state = {
+                r.request_id: (r.status.name, r.num_computed_tokens, r.num_preemptions)
+                for r in scheduler.requests.values()
+            }
+            pytest.fail(
+                f"the engine took {step} steps for requests worth at most {limit}: it makes no progress {state}"
+            )
+        yield llm.llm_engine.step()
 
 
 @dataclass
@@ -228,11 +233,9 @@ def serve(llm, requests: dict, on_step=None) -> Served:
     for name, (prompt, params) in requests.items():
         llm.llm_engine.add_request(name, {"prompt_token_ids": prompt}, params)
     ids = {rid.rpartition("-")[0]: rid for rid in scheduler.requests if rid.rpartition("-")[0] in requests}
-    tokens, finish, peak, limit = {}, {}, 0, step_limit(scheduler)
-    for step in itertools.count(1):
-        if not llm.llm_engine.has_unfinished_requests():
-            break
-        for output in step_checked(llm, limit, step):
+    tokens, finish, peak = {}, {}, 0
+    for outputs in stepped(llm):
+        for output in outputs:
             if output.finished:
                 tokens[output.request_id] = list(output.outputs[0].token_ids)
                 finish[output.request_id] = output.outputs[0].finish_reason
