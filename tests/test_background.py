@@ -5,10 +5,11 @@ import sys
 import time
 
 import background
+import pytest
 
 
-def _start(tmp_path_factory, name: str, code: str) -> background.Jobs:
-    background.job(name, lane=name)(
+def _start(tmp_path_factory, name: str, code: str, **declared) -> background.Jobs:
+    background.job(name, lane=name, **declared)(
         lambda factory: background.Job([sys.executable, "-c", code], cwd=factory.getbasetemp())
     )
     jobs = background.Jobs()
@@ -16,20 +17,23 @@ def _start(tmp_path_factory, name: str, code: str) -> background.Jobs:
     return jobs
 
 
-def test_a_job_runs_niced_in_the_tests_session_and_its_own_process_group(tmp_path_factory):
+@pytest.mark.parametrize("nice", [None, 0])  # the default (the lowest priority), and a long pole's (the tests' own)
+def test_a_job_runs_niced_in_the_tests_session_and_its_own_process_group(tmp_path_factory, nice):
     """In another session (its own autogroup) the nice value would not count against the tests' processes."""
-    jobs = _start(
-        tmp_path_factory, "probe-priority", "import os; print(os.getsid(0), os.getpgid(0), os.getpid(), os.nice(0))"
-    )
+    name = f"probe-priority-{nice}"
+    declared = {} if nice is None else {"nice": nice}
+    code = "import os; print(os.getsid(0), os.getpgid(0), os.getpid(), os.nice(0))"
+    jobs = _start(tmp_path_factory, name, code, **declared)
     try:
-        job = jobs.finished("probe-priority")
+        job = jobs.finished(name)
     finally:
         jobs.stop()
-        background._DECLARED.pop("probe-priority")
+        background._DECLARED.pop(name)
     assert job.returncode == 0, job.output()
-    session, group, pid, nice = map(int, job.stdout.split())
-    assert session == os.getsid(0) and group == pid and nice == min(19, os.nice(0) + 19)
-    assert job.folder is not None and "probe-priority" in "\n".join(jobs.summary())
+    session, group, pid, niceness = map(int, job.stdout.split())
+    assert session == os.getsid(0) and group == pid
+    assert niceness == min(19, os.nice(0) + (19 if nice is None else nice))
+    assert job.folder is not None and name in "\n".join(jobs.summary())
 
 
 def test_stopping_the_session_kills_a_job_and_what_it_started(tmp_path_factory):
