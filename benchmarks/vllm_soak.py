@@ -83,6 +83,7 @@ def prose_words() -> list[str]:
 def make_requests(args, words: list[str]) -> list[dict]:
     """The soak's requests, deterministic in ``--seed``: each a JSON body plus how the client behaves."""
     rng = random.Random(args.seed)
+    seeds = random.Random(f"{args.seed}-seeds")  # its own stream: the other draws are those of earlier soaks
     requests = []
     for i in range(args.requests):
         kind = rng.choices(["tiny", "window", "long"], weights=[2, 2, 6])[0]
@@ -105,6 +106,10 @@ def make_requests(args, words: list[str]) -> list[dict]:
         }
         if rng.random() < 0.2:
             body["stop"] = ["."]
+        if seeds.random() < 0.25:  # a client's seed, its prompt prefilled in several steps when long and uniform
+            body["seed"], body["temperature"] = seeds.randrange(2**31), 0.8
+            if kind == "long" and "adakv" not in body["vllm_xargs"]["kvpress_critical.press"]:
+                body["vllm_xargs"]["kvpress_critical.chunk_size"] = 128
         disconnect = streaming and rng.random() < 0.3
         requests.append({"index": i, "body": body, "disconnect_after": rng.randint(1, 3) if disconnect else None})
     return requests

@@ -1,15 +1,21 @@
-"""kvpress-critical for vLLM: CriticalKV eviction after prefill, inside vLLM's paged KV cache.
+"""kvpress-critical for vLLM: CriticalKV eviction inside vLLM's paged KV cache.
 
-Installed beside vLLM, this package registers a ``vllm.general_plugins`` entry point. An engine started with
-``additional_config={"kvpress_critical": {...}}`` compresses each request's KV cache once its prompt is prefilled:
-every KV head keeps the same number of entries, chosen by this project's selection rules
-(:mod:`kvpress_critical.selection`) and kernels (:mod:`kvpress_critical.ops`); the freed blocks go back to vLLM's
-pool at once, so the scheduler admits more requests. Engine options the plugin cannot honour refuse at start-up.
+Installed beside vLLM, this package registers a ``vllm.general_plugins`` entry point, inert until an engine is
+started with ``additional_config={"kvpress_critical": {...}}``. Such an engine compresses each request's KV cache
+after its prompt, after every prompt chunk (``chunk_size``) and while decoding (``compression_interval``), with every
+KV head keeping the same number of entries (uniform presses) or a layer's budget shared among its heads (head-wise
+presses), chosen by this project's selection rules (:mod:`kvpress_critical.selection`) and kernels
+(:mod:`kvpress_critical.ops`); the freed blocks go back to vLLM's pool at once, so the scheduler admits more requests,
+and a ``max_model_len`` longer than the pool is served where the schedules bound what a request holds. Engine options
+the plugin cannot honour refuse at start-up; a request's bad options fail in the caller; a failure while serving ends
+the request it concerns, never the engine.
 
-Modules: :mod:`.options` (what a user asks for), :mod:`.budget` (how many entries and blocks),
-:mod:`.presses` (which entries), :mod:`.engine_config` (what the engine must be), :mod:`.scheduler` (freeing
-blocks), :mod:`.attention` (the attention view and the compaction), :mod:`.worker` (per-step plans),
-:mod:`.plugin` (the entry point). See docs/vllm.md.
+Modules: :mod:`.options` (what a user asks for), :mod:`.budget` (how many entries and blocks, and when),
+:mod:`.presses` (which entries), :mod:`.engine_config` (what the engine must be), :mod:`.kv_spec` (what a request
+holds at most), :mod:`.scheduler` (directing compactions, freeing blocks), :mod:`.attention` and :mod:`.layouts` (the
+attention view and the paged layouts), :mod:`.worker` and :mod:`.worker_state` (per-step plans, compactions, the
+head-wise attention), :mod:`.protocol` (directives and reports), :mod:`.metrics` (counters), :mod:`.plugin` (the
+entry point). See docs/vllm.md.
 """
 
 from kvpress_critical._version import __version__

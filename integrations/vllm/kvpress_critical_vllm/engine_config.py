@@ -65,10 +65,39 @@ def check_backend_devices(options: CompressionOptions, device_type: str) -> None
         )
 
 
-def check_engine_config(vllm_config) -> CompressionOptions | None:
+def _choose_cudagraph_mode(compilation, requested: bool) -> None:
+    """Full CUDA graphs capture the attention metadata, and a compressed request's attention reads a shifted view built
+    at every step: a full mode the user asked for is refused; one vLLM chose by default (``FULL_AND_PIECEWISE`` on
+    GPUs) becomes the same mode without its full graphs (piecewise graphs, which leave attention outside the graph,
+    where compilation is piecewise; none otherwise), and the log says so."""
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    cudagraph = compilation.cudagraph_mode
+    if cudagraph is None or not cudagraph.has_full_cudagraphs():
+        return
+    if requested:
+        raise _refuse(
+            f"cudagraph_mode={cudagraph.name} captures the attention metadata, and a compressed request's "
+            "attention reads a shifted view built at every step",
+            "Pass compilation_config={'cudagraph_mode': 'PIECEWISE'} (or enforce_eager=True), or leave cudagraph_mode "
+            "unset for the plugin to choose; piecewise graphs leave attention outside the graph",
+        )
+    piecewise = cudagraph.has_piecewise_cudagraphs() or compilation.mode == CompilationMode.VLLM_COMPILE
+    chosen = CUDAGraphMode.PIECEWISE if piecewise else CUDAGraphMode.NONE
+    logger.info(
+        "kvpress_critical: cudagraph_mode %s (vLLM's default) -> %s: full CUDA graphs capture the attention metadata, "
+        "which the plugin rebuilds at every step for compressed requests; piecewise graphs leave attention outside",
+        cudagraph.name, chosen.name,
+    )  # fmt: skip
+    compilation.cudagraph_mode = chosen
+
+
+def check_engine_config(vllm_config, cudagraph_requested: bool = True) -> CompressionOptions | None:
     """
     Check ``vllm_config`` for the plugin and point it at the plugin's scheduler and worker; None when the plugin is
     not asked for (no ``additional_config["kvpress_critical"]``), in which case nothing is changed.
+    ``cudagraph_requested``: whether the user set ``cudagraph_mode`` (a full mode is then refused) or vLLM chose it
+    (the plugin then chooses piecewise graphs, and logs it).
     """
     options = engine_options(vllm_config.additional_config)
     if options is None:
@@ -163,14 +192,7 @@ def check_engine_config(vllm_config) -> CompressionOptions | None:
             "the V2 model runner builds its inputs elsewhere than the V1 runner the plugin follows",
             "Set VLLM_USE_V2_MODEL_RUNNER=0",
         )
-    cudagraph = vllm_config.compilation_config.cudagraph_mode
-    if cudagraph is not None and cudagraph.has_full_cudagraphs():
-        raise _refuse(
-            f"cudagraph_mode={cudagraph.name} captures the attention metadata, and a compressed request's "
-            "attention reads a shifted view built at every step",
-            "Pass compilation_config={'cudagraph_mode': 'PIECEWISE'} (or enforce_eager=True); piecewise graphs "
-            "leave attention outside the graph",
-        )
+    _choose_cudagraph_mode(vllm_config.compilation_config, cudagraph_requested)
     if scheduler.scheduler_cls is not None:
         raise _refuse(
             f"a custom scheduler_cls ({scheduler.scheduler_cls}) is set, and the plugin frees blocks in its own",

@@ -12,7 +12,8 @@ Exposed (labels: ``model_name``):
 - ``vllm:kvpress_critical_requests_compressed_total``, ``vllm:kvpress_critical_prompt_tokens_compressed_total``,
   ``vllm:kvpress_critical_entries_kept_total`` (kept entries over all layers and KV heads),
   ``vllm:kvpress_critical_blocks_freed_total``, ``vllm:kvpress_critical_compactions_total`` and, among them,
-  ``vllm:kvpress_critical_decoding_compactions_total`` (compression while decoding);
+  ``vllm:kvpress_critical_decoding_compactions_total`` (compression while decoding),
+  ``vllm:kvpress_critical_requests_failed_total`` (requests the plugin ended with an error);
 - ``vllm:kvpress_critical_requests_uncompressed_total`` (label ``reason``: ``ratio_zero``, ``short_prompt``,
   ``streaming_input``, ``invalid_options``, ``not_compacted``);
 - gauges ``vllm:kvpress_critical_scheduler_tracked_requests`` and ``vllm:kvpress_critical_worker_tracked_requests``:
@@ -41,6 +42,8 @@ COUNTERS = {
     "blocks_freed": "KV blocks the plugin returned to vLLM's pool.",
     "compactions": "Compactions of a request's KV cache (one per request, or one per prompt chunk with chunk_size).",
     "decoding_compactions": "Compactions while decoding (compression_interval), among compactions.",
+    "requests_failed": "Requests the plugin ended with an error (a compaction broken midway, or, with a max_model_len "
+    "longer than the pool, a request held whole that cannot fit it).",
 }
 GAUGES = {
     "scheduler_tracked_requests": "Requests the plugin's scheduler keeps state for.",
@@ -94,6 +97,10 @@ class MetricsWriter:
         self.counters["entries_kept"] += entries_kept
         self.counters["blocks_freed"] += blocks_freed
         self._dirty = True
+
+    def failed(self, requests: int) -> None:
+        self.counters["requests_failed"] += requests
+        self._dirty = requests > 0 or self._dirty
 
     def uncompressed(self, reason: str) -> None:
         self.uncompressed_by_reason[reason] += 1

@@ -376,10 +376,14 @@ def check_layout(
             option="press",
         )
     if options.head_wise and block_size is not None and options.window_size < block_size - 1:
+        fits = 16
+        while fits * 2 - 1 <= options.window_size:
+            fits *= 2  # the largest power-of-two block (vLLM's CPU default is 128) this window covers
         raise OptionsError(
             f"{where}: press={options.press!r} keeps a prompt's last (N mod block_size) tokens in every KV head, which "
             f"SnapKV does for its window: window_size={options.window_size} must be at least block_size - 1 = "
-            f"{block_size - 1}. Raise window_size, or start the engine with a smaller block_size",
+            f"{block_size - 1}. Start the engine with block_size={fits} (--block-size {fits}), or raise window_size "
+            f"to {block_size - 1}",
             option="window_size",
         )
 

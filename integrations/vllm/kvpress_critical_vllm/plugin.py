@@ -1,18 +1,19 @@
 """The ``vllm.general_plugins`` entry point: loaded by vLLM in every process (API server, engine core, workers).
 
-:func:`register` does three things, and nothing else until an engine asks for the plugin:
+:func:`register` wraps one vLLM method, ``EngineArgs.create_engine_config``, and does nothing else: in a process
+whose engines do not ask for the plugin (no ``"kvpress_critical"`` in their ``additional_config``) the wrapper only
+looks for that key, and nothing of the plugin is installed. When an engine configuration asks for it:
 
-- engine configurations built from ``EngineArgs`` pass through
-  :func:`kvpress_critical_vllm.engine_config.check_engine_config` (the plugin's options are checked, unsupported
-  engine features refused, the plugin's scheduler and worker set) when their ``additional_config`` holds
-  ``"kvpress_critical"``;
-- a request's ``extra_args["kvpress_critical"]`` overrides are checked where vLLM checks sampling parameters: their
-  names, types and ranges when ``SamplingParams`` are built, and against the engine's bounds once the engine's input
-  processor has built the request; with a ``max_model_len`` longer than the KV pool, a request whose prompt and
-  ``max_tokens`` do not fit the pool whole must be bounded by its options (it could otherwise hold more blocks than
-  the pool has), so that a bad request fails in the caller (an HTTP 400 naming the option and its allowed range in
-  the server), never in the engine;
-- the plugin's counters are exposed on the server's ``/metrics`` (:mod:`kvpress_critical_vllm.metrics`).
+- the configuration passes through :func:`kvpress_critical_vllm.engine_config.check_engine_config` (the plugin's
+  options are checked, unsupported engine features refused, the plugin's scheduler and worker set);
+- then, once per process (:func:`enable`), a request's ``extra_args["kvpress_critical"]`` overrides are checked
+  where vLLM checks sampling parameters: their names, types and ranges when ``SamplingParams`` are built, and against
+  the engine's bounds once the engine's input processor has built the request; with a ``max_model_len`` longer than
+  the KV pool, a request whose prompt and ``max_tokens`` do not fit the pool whole must be bounded by its options (it
+  could otherwise hold more blocks than the pool has), so that a bad request fails in the caller (an HTTP 400 naming
+  the option and its allowed range in the server), never in the engine;
+- and the plugin's counters are exposed on the server's ``/metrics`` (:mod:`kvpress_critical_vllm.metrics`: a
+  folder the engine processes started after inherit).
 """
 
 from __future__ import annotations
@@ -20,21 +21,32 @@ from __future__ import annotations
 import functools
 
 _REGISTERED = False
+_ENABLED = False
 
 
 def register() -> None:
-    """Install the plugin's two hooks into this process's vLLM (idempotent)."""
+    """Wrap ``EngineArgs.create_engine_config``: a configuration asking for the plugin enables it (idempotent)."""
     global _REGISTERED
     if _REGISTERED:
         return
     _REGISTERED = True
     from vllm.engine.arg_utils import EngineArgs
+
+    EngineArgs.create_engine_config = _checked_engine_config(EngineArgs.create_engine_config)
+
+
+def enable() -> None:
+    """Install the request checks and the metrics collector in this process (idempotent): an engine configuration
+    built here asked for the plugin."""
+    global _ENABLED
+    if _ENABLED:
+        return
+    _ENABLED = True
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
     from kvpress_critical_vllm.metrics import register_collector
 
-    EngineArgs.create_engine_config = _checked_engine_config(EngineArgs.create_engine_config)
     SamplingParams._verify_extra_args = _checked_extra_args(SamplingParams._verify_extra_args)
     InputProcessor.process_inputs = _checked_for_the_engine(InputProcessor.process_inputs)
     register_collector()
@@ -46,7 +58,10 @@ def _checked_engine_config(create_engine_config):
         from kvpress_critical_vllm.engine_config import check_engine_config
 
         vllm_config = create_engine_config(self, *args, **kwargs)
-        check_engine_config(vllm_config)
+        compilation = getattr(self, "compilation_config", None)
+        requested = getattr(compilation, "cudagraph_mode", None) is not None
+        if check_engine_config(vllm_config, cudagraph_requested=requested) is not None:
+            enable()
         return vllm_config
 
     return wrapper

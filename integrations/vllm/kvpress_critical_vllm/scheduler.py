@@ -60,6 +60,17 @@ class CompressionRecord:
     phase: str = "prompt"  # of the latest compaction: "prompt" or "decoding"
 
 
+def discard_sampled_tokens(model_runner_output, request_ids: list[str]) -> None:
+    """No token of this step for ``request_ids`` (requests about to end with an error): vLLM then appends none and
+    checks no stop for them, as for a partial prefill."""
+    index = model_runner_output.req_id_to_index
+    sampled = model_runner_output.sampled_token_ids
+    for request_id in request_ids:
+        row = index.get(request_id)
+        if row is not None and row < len(sampled):
+            sampled[row] = []
+
+
 class BoundedRecords(OrderedDict):
     """The latest ``maxlen`` records by request id (older ones are dropped: counters keep the totals)."""
 
@@ -130,6 +141,10 @@ class CompressingSchedulerMixin:
             self.kvpress_block_size - 1,
         )
         bound = getattr(spec, "max_blocks_held", None)
+        # longer than the pool (max_model_len over the pool's tokens): a request held whole may never fit again
+        self._kvpress_longer_than_pool = bound is not None
+        self._kvpress_pool_blocks = self.kv_cache_config.num_blocks - 1  # less vLLM's null block
+        self._kvpress_unservable: dict[str, str] = {}  # request id -> why it ends with an error at the next output
         if bound is not None:
             options, max_model_len = self.kvpress_options, self.vllm_config.model_config.max_model_len
             logger.info(
@@ -154,6 +169,29 @@ class CompressingSchedulerMixin:
         log = logger.debug if kind == "ratio_zero" else logger.info  # a request asking for no compression: quiet
         log("kvpress_critical: request %s stays uncompressed: %s", request_id, why)
 
+    def _fall_back(self, request: Request, why: str, kind: str = "not_compacted") -> None:
+        """A request the plugin stops compressing: it keeps its whole cache from here on (:meth:`_leave_uncompressed`),
+        and, longer than the pool, ends with an error where its whole sequence cannot fit (:meth:`_check_whole`)."""
+        self._forget(request.request_id)
+        self._leave_uncompressed(request.request_id, why, kind)
+        self._check_whole(request)
+
+    def _check_whole(self, request: Request) -> None:
+        """
+        With a ``max_model_len`` longer than the pool, a request held whole whose prompt and ``max_tokens`` do not
+        fit the pool could grow past it, be preempted and never be admitted again (vLLM admits a whole sequence, and
+        its waiting queue stops at the first request it cannot admit): such a request ends with an error at the next
+        step's output (``finish_reason`` error, its blocks back), and the engine goes on admitting the others.
+        """
+        if not self._kvpress_longer_than_pool:
+            return
+        whole = blocks_for(request.num_prompt_tokens + request.max_tokens, self.kvpress_block_size)
+        if whole > self._kvpress_pool_blocks:
+            self._kvpress_unservable[request.request_id] = (
+                f"it runs uncompressed, and its {request.num_prompt_tokens} prompt tokens and max_tokens "
+                f"{request.max_tokens} ({whole} blocks) do not fit the KV pool's {self._kvpress_pool_blocks} blocks"
+            )
+
     def add_request(self, request: Request) -> None:
         request_id = request.request_id
         if request_id not in self.requests and request.sampling_params is not None:
@@ -167,17 +205,18 @@ class CompressingSchedulerMixin:
                 self.kvpress_options, request.sampling_params.extra_args, self.kvpress_block_size, self._kvpress_tp_size
             )
         except OptionsError as error:  # checked in the caller already; a client that skipped it gets no compression
-            self._leave_uncompressed(request_id, f"its options are invalid ({error})", "invalid_options")
+            self._fall_back(request, f"its options are invalid ({error})", "invalid_options")
             return
         if request.resumable:
             if options.compresses:
                 why = "its prompt can still grow (streaming input), and the plugin compresses a whole prompt"
                 self._leave_uncompressed(request_id, why, "streaming_input")
+            self._check_whole(request)
             return
         plan = Schedule(options, request.num_prompt_tokens, self.kvpress_block_size)
         if plan.empty:
             kind = "ratio_zero" if not options.compresses else "short_prompt"
-            self._leave_uncompressed(request_id, plan.reason, kind)
+            self._fall_back(request, plan.reason, kind)
             return
         if plan.reason and options.compression_ratio > 0:  # compressed while decoding only
             logger.info(
@@ -222,10 +261,7 @@ class CompressingSchedulerMixin:
                 tracked.directed += 1
                 directives.compact[request_id] = Compact(request_id, tracked.options, plan)
             elif start < plan.seen < end:  # the scheduler's chunks stop at each compaction: never expected
-                self._forget(request_id)
-                self._leave_uncompressed(
-                    request_id, f"a step ran past its compaction at {plan.seen} ({start}..{end - 1})"
-                )
+                self._fall_back(request, f"a step ran past its compaction at {plan.seen} ({start}..{end - 1})")
             elif tracked.options.needs_queries and plan.seen - tracked.options.window_size < end < plan.seen:
                 directives.save_queries[request_id] = tracked.options.window_size
         return directives
@@ -269,9 +305,20 @@ class CompressingSchedulerMixin:
         if report is not None:
             self._kvpress_worker_tracked = report.tracked_requests
         broken = self._apply_report(directives, report) if directives is not None and directives.compact else []
+        if report is not None and report.broken:
+            # a step that broke a request outside its compaction (its head-wise attention failed): its token of this
+            # step was computed over a wrong cache and is thrown away
+            failed = [rid for rid in report.broken if rid not in broken and rid in self.requests]
+            for request_id in failed:
+                self._forget(request_id)
+                self._leave_uncompressed(request_id, f"{report.broken[request_id]}; it ends with an error")
+            broken += failed
+            discard_sampled_tokens(model_runner_output, broken)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if broken:
-            self._end_broken(broken, outputs)
+            self._end_with_error(broken, outputs)
+        if self._kvpress_longer_than_pool:
+            self._end_unservable(outputs)
         self.kvpress_metrics.tracked(len(self._kvpress), self._kvpress_worker_tracked)
         self.kvpress_metrics.flush(force=not self.has_unfinished_requests())
         return outputs
@@ -292,8 +339,7 @@ class CompressingSchedulerMixin:
             if request is None or tracked is None or request.is_finished():
                 continue  # finished meanwhile: its blocks went back with it
             if report is None:
-                self._forget(request_id)
-                self._leave_uncompressed(request_id, "the workers sent no report for its compaction step")
+                self._fall_back(request, "the workers sent no report for its compaction step")
                 continue
             if request_id in report.broken:
                 broken.append(request_id)
@@ -302,21 +348,38 @@ class CompressingSchedulerMixin:
                 continue
             done = report.compacted.get(request_id)
             if done is None:
-                self._forget(request_id)
-                self._leave_uncompressed(
-                    request_id, report.uncompressed.get(request_id, "the workers did not compact it")
-                )
+                self._fall_back(request, report.uncompressed.get(request_id, "the workers did not compact it"))
                 continue
             if tracked.life != request.num_preemptions or done.evicted != directive.eviction.evicted:
                 continue  # preempted since the directive was sent: its blocks were all freed, it is redone later
             self._free_evicted(request, tracked, directive.eviction, done)
         return broken
 
-    def _end_broken(self, request_ids: list[str], outputs: dict) -> None:
-        """End requests whose cache a failed compaction changed in part, with an error their client receives."""
+    def _end_unservable(self, outputs: dict) -> None:
+        """End with an error the requests :meth:`_check_whole` found, and any waiting request held whole that can never
+        be admitted again (its tokens so far are more than the pool holds)."""
+        for request in self.waiting:
+            if request.request_id not in self._kvpress and request.request_id not in self._kvpress_unservable:
+                held = blocks_for(request.num_tokens, self.kvpress_block_size)
+                if held > self._kvpress_pool_blocks:
+                    self._kvpress_unservable[request.request_id] = (
+                        f"it is held whole, and its {request.num_tokens} tokens ({held} blocks) are more than the KV "
+                        f"pool's {self._kvpress_pool_blocks} blocks"
+                    )
+        if not self._kvpress_unservable:
+            return
+        unservable, self._kvpress_unservable = self._kvpress_unservable, {}
+        for request_id, why in unservable.items():
+            logger.warning("kvpress_critical: request %s ends with an error: %s", request_id, why)
+        self._end_with_error(list(unservable), outputs)
+
+    def _end_with_error(self, request_ids: list[str], outputs: dict) -> None:
+        """End requests with an error their client receives (a compaction that changed their cache in part, or a
+        request that cannot fit the pool)."""
         from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 
         live = [rid for rid in request_ids if rid in self.requests and not self.requests[rid].is_finished()]
+        self.kvpress_metrics.failed(len(live))
         for request in self.finish_requests(live, RequestStatus.FINISHED_ERROR):
             ended = EngineCoreOutput(
                 request_id=request.request_id,

@@ -11,6 +11,7 @@ report (:mod:`kvpress_critical_vllm.protocol`).
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from copy import copy
 
 import torch
@@ -39,6 +40,13 @@ def with_report(output, report: StepReport):
     return output
 
 
+def head_wise_probe_lengths(group: int) -> list[int]:
+    """Query lengths whose head-wise attention covers every kernel variant: one token (decoding), and the fewest
+    tokens whose ``group * q`` query rows reach each tile size the kernels choose (16, 32 and 64 rows: a preempted
+    request recomputes its outputs in one step of any length)."""
+    return sorted({1} | {-(-rows // group) for rows in (17, 33, 65)})
+
+
 def check_attention_impl(name: str, impl) -> None:
     """Refuse a layer whose attention has a bias, cap or sink the plugin's moved entries and kernels do not carry (ALiBi
     follows a slot's index, not its entry's position; ``paged_ragged_attention`` has none of them)."""
@@ -53,6 +61,34 @@ def check_attention_impl(name: str, impl) -> None:
                 f"kvpress_critical cannot compress layer {name}: it uses {variant}, which the plugin's moved entries "
                 "and head-wise kernels do not carry. Serve a model without it, or vLLM without the plugin."
             )
+
+
+@contextmanager
+def discarded_cpu_generators_set_aside(runner):
+    """
+    The seeded requests whose sample of this step is discarded (a partial prefill: vLLM's chunked prefill or one of
+    the plugin's compaction stops) sample without their generator, which stays where it was.
+
+    vLLM rewinds such a request's generator after sampling (``set_offset(get_offset() - 4)``, exact for the Philox
+    generators of GPUs); a CPU generator has no offset, so the rewind raised ``RuntimeError: CPU Generator does not
+    use offset`` and ended the engine. Not drawing from the generator at all is the rewind a CPU generator allows: the
+    request's later samples see the same random stream as if the discarded one had not been drawn. The discarded row
+    draws from the global generator instead (its token is thrown away). GPU generators are left to vLLM.
+    """
+    batch = getattr(runner, "input_batch", None)
+    mask = getattr(runner, "discard_request_mask", None)
+    generators = getattr(batch, "generators", None)
+    aside = {}
+    if generators and mask is not None:
+        discarded = mask.np[: batch.num_reqs]
+        aside = {i: g for i, g in generators.items() if i < len(discarded) and discarded[i] and g.device.type == "cpu"}
+        for index in aside:
+            del generators[index]  # the sampling metadata holds this same dict
+    try:
+        yield
+    finally:
+        if aside:
+            generators.update(aside)
 
 
 def _reporting_async_output():
@@ -200,18 +236,41 @@ class CompressingWorkerMixin:
                 f"kvpress_critical cannot run the projected norm's backend {backend!r} on {weight.device} "
                 f"({error}). Set additional_config['kvpress_critical']['backend'] to 'auto' (or one that runs here)."
             ) from error
-        from kvpress_critical.ops.paged_ragged_attention import paged_ragged_attention, random_paged_layout
+        self._probe_head_wise_attention(weight, head_size)
 
+    def _probe_head_wise_attention(self, weight: torch.Tensor, head_size: int) -> None:
+        """Every variant of the head-wise attention this engine can serve (its KV heads, GQA group, head size, block
+        size and dtype; one query token when decoding, and enough to reach each tile of query rows the kernels pick
+        when a preempted request recomputes several) is compiled and checked against the reference now, or the engine
+        does not start."""
+        from kvpress_critical.ops.paged_ragged_attention import (
+            paged_ragged_attention,
+            paged_ragged_attention_ref,
+            random_paged_layout,
+        )
+
+        state = self.kvpress_state
         attention = state.engine_options.attention_backend
-        probe = random_paged_layout(1, 1, 1, 1, head_size, 16, [[3]], [2], dtype=weight.dtype, device=weight.device)
-        try:
-            paged_ragged_attention(**probe, backend=attention)
-        except Exception as error:  # noqa: BLE001
-            raise EngineConfigError(
-                f"kvpress_critical cannot run the head-wise attention's backend {attention!r} on {weight.device} "
-                f"({error}). Set additional_config['kvpress_critical']['attention_backend'] to 'auto' (or one that "
-                "runs here)."
-            ) from error
+        model, parallel = self.vllm_config.model_config, self.vllm_config.parallel_config
+        kv_heads = model.get_num_kv_heads(parallel)
+        group = max(1, model.get_num_attention_heads(parallel) // kv_heads)
+        block = state.block_size or 16
+        for q_len in head_wise_probe_lengths(group):
+            probe = random_paged_layout(
+                2, kv_heads, group, q_len, head_size, block, [[3 + h for h in range(kv_heads)], [block + 1] * kv_heads],
+                [q_len + 2, q_len + block], dtype=weight.dtype, device=weight.device,
+            )  # fmt: skip
+            try:
+                out = paged_ragged_attention(**probe, backend=attention)
+                expected = paged_ragged_attention_ref(**probe)
+                tolerance = 1e-4 if weight.dtype == torch.float32 else 3e-2
+                torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+            except Exception as error:  # noqa: BLE001
+                raise EngineConfigError(
+                    f"kvpress_critical cannot run the head-wise attention's backend {attention!r} on {weight.device} "
+                    f"for {q_len} query token(s) of {kv_heads} KV heads in groups of {group} ({error}). Set "
+                    "additional_config['kvpress_critical']['attention_backend'] to 'auto' (or one that runs here)."
+                ) from error
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         state = self.kvpress_state
@@ -223,7 +282,8 @@ class CompressingWorkerMixin:
         return output
 
     def sample_tokens(self, *args, **kwargs):
-        output = super().sample_tokens(*args, **kwargs)
+        with discarded_cpu_generators_set_aside(self.model_runner):
+            output = super().sample_tokens(*args, **kwargs)
         return with_report(output, self.kvpress_state.take_report())
 
     def kvpress_critical_selections(self) -> dict:

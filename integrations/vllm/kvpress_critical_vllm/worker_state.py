@@ -84,6 +84,7 @@ class HeadWiseRows:
     """Head-wise rows of a step that run the same number of tokens ``q`` (one when decoding; a recomputed output
     after a preemption runs several), as :func:`paged_ragged_attention` takes them."""
 
+    request_ids: list[str]  # (rows,)
     tokens: torch.Tensor  # (rows, q) int64 the tokens of each row in the step's query / output
     region_table: torch.Tensor  # (rows, M) int64
     seg_start: torch.Tensor  # (L, rows * H_kv) int64
@@ -291,6 +292,7 @@ class WorkerState:
 
         tokens = [list(range(starts[row], starts[row] + q_len)) for row, _, _, q_len in rows]
         return HeadWiseRows(
+            request_ids=[request_id for _, request_id, _, _ in rows],
             tokens=torch.tensor(tokens, dtype=torch.int64, device=device),
             region_table=table(regions),
             seg_start=seg_start.to(device),
@@ -300,7 +302,13 @@ class WorkerState:
         )
 
     def attend_head_wise(self, layer, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, plan) -> None:
-        """The head-wise rows' attention over their regions and tails, written over the backend's output rows."""
+        """
+        The head-wise rows' attention over their regions and tails, written over the backend's output rows.
+
+        A failure of the kernel ends the requests of those rows (reported broken: the scheduler discards their tokens
+        of this step and ends them with an error), never the step or the engine: their rows keep the backend's output,
+        which the other rows of the step do not read.
+        """
         from kvpress_critical.ops.paged_ragged_attention import paged_ragged_attention
 
         index = self.layer_index[layer.layer_name]
@@ -310,13 +318,23 @@ class WorkerState:
             self.tail_offsets = self.layout.tail_offsets(kv_cache)
         key_offsets, value_offsets = self.tail_offsets
         for rows in plan.head_wise:
-            queries = query[rows.tokens].transpose(1, 2)  # (rows, H, q, d)
-            out = paged_ragged_attention(
-                queries, region_keys, region_values, rows.region_table, rows.seg_start[index], rows.seg_len[index],
-                flat, flat, rows.tail_table, rows.tail_len, key_offsets, value_offsets, layer.impl.scale,
-                backend=self.engine_options.attention_backend,
-            )  # fmt: skip
-            output[rows.tokens] = out.to(output.dtype)  # (rows, q, H, d)
+            if all(request_id in self._report.broken for request_id in rows.request_ids):
+                continue  # failed in an earlier layer of this step
+            try:
+                queries = query[rows.tokens].transpose(1, 2)  # (rows, H, q, d)
+                out = paged_ragged_attention(
+                    queries, region_keys, region_values, rows.region_table, rows.seg_start[index],
+                    rows.seg_len[index], flat, flat, rows.tail_table, rows.tail_len, key_offsets, value_offsets,
+                    layer.impl.scale, backend=self.engine_options.attention_backend,
+                )  # fmt: skip
+                output[rows.tokens] = out.to(output.dtype)  # (rows, q, H, d)
+            except Exception as error:  # noqa: BLE001 - these requests end with an error, never the engine
+                logger.error(
+                    "kvpress_critical: the head-wise attention failed in layer %s for requests %s: %r",
+                    layer.layer_name, ", ".join(rows.request_ids), error,
+                )  # fmt: skip
+                for request_id in rows.request_ids:
+                    self._report.broken[request_id] = f"its head-wise attention failed ({error!r})"
 
     def capture(self, layer_name: str, query: torch.Tensor, plan: StepPlan) -> None:
         """After a layer's attention: keep the window queries the plan needs (clones: the buffer is reused)."""

