@@ -1,6 +1,5 @@
 """Slow subprocess tests, started in the background when the session starts, run at the lowest priority, so that they
-use the cores the in-process tests leave idle instead of following them (a job longer than the tests themselves runs
-at their priority instead: :func:`job`'s ``nice``).
+use the cores the in-process tests leave idle instead of following them.
 
 A test module declares a job with :func:`job` (a function of pytest's ``tmp_path_factory`` returning a :class:`Job`:
 a command, its environment, a working folder) and marks the tests that read it ``@pytest.mark.background("name")``.
@@ -28,7 +27,6 @@ MARKER = "background"
 _DECLARED: dict[str, Callable] = {}  # job name -> its factory
 _ORDER: dict[str, int] = {}  # job name -> its place in the queue (then the order modules declared them)
 _LANE: dict[str, str] = {}  # job name -> its lane (the jobs of one lane run one after another)
-_NICE: dict[str, int] = {}  # job name -> its nice value
 _SESSION: list = []  # the session's Jobs, for the terminal summary
 
 
@@ -65,18 +63,15 @@ class Job:
         return self.stdout + self.stderr
 
 
-def job(name: str, order: int = 100, lane: str = "main", nice: int = 19):
+def job(name: str, order: int = 100, lane: str = "main"):
     """Declare the background job ``name``: the decorated function makes it from ``tmp_path_factory``. The jobs of a
     lane run one at a time by ``order`` (the longest first: it sets when the session can end), then in the order they
-    were declared; lanes run side by side. ``nice``: the job's priority, the lowest by default (it takes the cores the
-    tests leave idle); a job longer than the tests themselves (the session's long pole, which would otherwise run
-    mostly after them, on one core) runs at the tests' own priority, ``nice=0``."""
+    were declared; lanes run side by side."""
 
     def declare(factory: Callable) -> Callable:
         _DECLARED[name] = factory
         _ORDER[name] = order
         _LANE[name] = lane
-        _NICE[name] = nice
         return factory
 
     return declare
@@ -86,19 +81,19 @@ def _queue() -> list[str]:
     return sorted(_DECLARED, key=lambda name: (_ORDER[name], list(_DECLARED).index(name)))
 
 
-def _niced(nice: int) -> Callable[[], None]:
-    """The job's process at priority ``nice`` (19 by default, the lowest: it takes the cores the tests leave idle and
-    slows them little; the tests' engines spin on their cores, and two of them at one priority share two cores badly).
+def _lowest() -> None:
+    """The job's process at the lowest priority: it takes the cores the tests leave idle and slows them little (the
+    tests' engines spin on their cores; two of them at one priority share two cores badly).
 
     The job stays in the test session's Linux session: with autogroup scheduling (``kernel.sched_autogroup_enabled``,
     the default of most distributions) every session is a scheduling group of its own, groups share the cores
     equally and a nice value only orders the processes of its group, so a niced job in a session of its own took a
     whole core from the 2-thread test process (whose OpenMP threads then waited for each other: its tests ran 5 to 10
     times slower)."""
-    return lambda: os.nice(nice) if nice else None
+    os.nice(19)
 
 
-def _run(jobs: list[tuple[str, "Job"]]) -> None:
+def _run(jobs: list[tuple[str, Job]]) -> None:
     for name, current in jobs:
         start = time.perf_counter()
         if current.timeout <= 0:  # the session ended first
@@ -107,7 +102,7 @@ def _run(jobs: list[tuple[str, "Job"]]) -> None:
             continue
         try:
             with open(current.folder / "stdout.log", "w") as out, open(current.folder / "stderr.log", "w") as err:
-                # a process group of its own (in the session: see _niced): the job and everything it starts are
+                # a process group of its own (in the session: see _lowest): the job and everything it starts are
                 # stopped together
                 # OpenMP threads of a niced job sleep while they wait for each other instead of spinning: starved of
                 # a core, a spinning thread burns the share its process gets (the same threads, the same results)
@@ -118,7 +113,7 @@ def _run(jobs: list[tuple[str, "Job"]]) -> None:
                     env=env,
                     stdout=out,
                     stderr=err,
-                    preexec_fn=_niced(_NICE.get(name, 19)),
+                    preexec_fn=_lowest,
                     process_group=0,
                 )
                 if not _wait(process, current):

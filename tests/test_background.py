@@ -5,11 +5,10 @@ import sys
 import time
 
 import background
-import pytest
 
 
-def _start(tmp_path_factory, name: str, code: str, **declared) -> background.Jobs:
-    background.job(name, lane=name, **declared)(
+def _start(tmp_path_factory, name: str, code: str) -> background.Jobs:
+    background.job(name, lane=name)(
         lambda factory: background.Job([sys.executable, "-c", code], cwd=factory.getbasetemp())
     )
     jobs = background.Jobs()
@@ -17,23 +16,20 @@ def _start(tmp_path_factory, name: str, code: str, **declared) -> background.Job
     return jobs
 
 
-@pytest.mark.parametrize("nice", [None, 0])  # the default (the lowest priority), and a long pole's (the tests' own)
-def test_a_job_runs_niced_in_the_tests_session_and_its_own_process_group(tmp_path_factory, nice):
+def test_a_job_runs_niced_in_the_tests_session_and_its_own_process_group(tmp_path_factory):
     """In another session (its own autogroup) the nice value would not count against the tests' processes."""
-    name = f"probe-priority-{nice}"
-    declared = {} if nice is None else {"nice": nice}
-    code = "import os; print(os.getsid(0), os.getpgid(0), os.getpid(), os.nice(0))"
-    jobs = _start(tmp_path_factory, name, code, **declared)
+    jobs = _start(
+        tmp_path_factory, "probe-priority", "import os; print(os.getsid(0), os.getpgid(0), os.getpid(), os.nice(0))"
+    )
     try:
-        job = jobs.finished(name)
+        job = jobs.finished("probe-priority")
     finally:
         jobs.stop()
-        background._DECLARED.pop(name)
+        background._DECLARED.pop("probe-priority")
     assert job.returncode == 0, job.output()
-    session, group, pid, niceness = map(int, job.stdout.split())
-    assert session == os.getsid(0) and group == pid
-    assert niceness == min(19, os.nice(0) + (19 if nice is None else nice))
-    assert job.folder is not None and name in "\n".join(jobs.summary())
+    session, group, pid, nice = map(int, job.stdout.split())
+    assert session == os.getsid(0) and group == pid and nice == min(19, os.nice(0) + 19)
+    assert job.folder is not None and "probe-priority" in "\n".join(jobs.summary())
 
 
 def test_stopping_the_session_kills_a_job_and_what_it_started(tmp_path_factory):

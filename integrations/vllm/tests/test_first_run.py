@@ -33,7 +33,7 @@ def test_the_first_run_is_documented_in_runnable_blocks():
     assert "examples/offline.py" in install and "examples/client.py" in serve
 
 
-@background.job("first-run", order=0, lane="venv", nice=0)  # the long pole: at the tests' priority
+@background.job("first-run", order=0, lane="venv")  # mostly installs: beside the other jobs
 def first_run_job(tmp_path_factory) -> background.Job:
     """The documented blocks in a temporary folder, with nothing of the test's environment but the package index
     settings. Two shortcuts, neither of which changes a command: pip does not byte-compile what it installs (minutes,
