@@ -1,4 +1,5 @@
-"""Offline generation with kvpress-critical's vLLM plugin on CPU: the embedded SmolLM2, one prompt, two ratios.
+"""Offline generation with kvpress-critical's vLLM plugin on CPU: the embedded SmolLM2 (an instruct model: asked
+through its chat template, ``llm.chat``) answers one question uncompressed, then at two ratios.
 
 Run in the plugin's environment after ``kvpress-critical-vllm-model`` (docs/vllm.md, "First run"):
 
@@ -25,11 +26,11 @@ if __name__ == "__main__":
         additional_config={"kvpress_critical": {"press": "critical_snapkv", "compression_ratio": 0.5}},
     )
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text() * 4
-    prompt = f"{text}\n\nIn one sentence, what does this plugin do?"
-    for ratio in (0.5, 0.75):
+    messages = [{"role": "user", "content": f"{text}\n\nIn one sentence, what does this plugin do?"}]
+    for ratio in (0.0, 0.5, 0.75):  # 0: this request keeps its whole cache (the engine's default is 0.5)
         params = SamplingParams(
             max_tokens=32, temperature=0, extra_args={"kvpress_critical": {"compression_ratio": ratio}}
         )
-        output = llm.generate(prompt, params)[0]
+        output = llm.chat(messages, params)[0]
         print(f"ratio {ratio}: {len(output.prompt_token_ids)} prompt tokens -> {output.outputs[0].text!r}")
     sys.exit(0)

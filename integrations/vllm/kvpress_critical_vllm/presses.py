@@ -68,6 +68,14 @@ def compaction_peak_bytes(
     return held + 40 * num_kv_heads * n_prompt + layers * num_kv_heads * n_prompt + written
 
 
+def window_queries_bytes(requests: int, layers: int, window: int, num_heads: int, head_size: int, itemsize: int) -> int:
+    """What ``requests`` requests hold at most in window queries: SnapKV scores a compaction with its last ``window``
+    queries of every layer, kept (``L W H d e`` bytes each, ``H`` the query heads) from the step they are computed in
+    until the compaction, when that comes steps later (a last prompt chunk shorter than the window, every decoding
+    compaction). The worker reserves it for ``max_num_seqs`` requests beside :func:`compaction_peak_bytes`."""
+    return requests * layers * window * num_heads * head_size * itemsize
+
+
 def heads_per_chunk(
     options: CompressionOptions, n_prompt: int, num_kv_heads: int, group: int, head_size: int, itemsize: int
 ) -> int:

@@ -285,8 +285,9 @@ class CompressingSchedulerMixin:
         a request only when its whole sequence fits in the free blocks (``scheduler_reserve_full_isl``); a request
         compacted after every prompt chunk, or while decoding (a preempted one recomputes its outputs with the same
         compactions), is admitted when what it holds at most fits
-        (:func:`~kvpress_critical_vllm.budget.blocks_held_at_most`), and vLLM's whole-sequence check is skipped for
-        it alone (the flag is read by the allocation that follows this call).
+        (:func:`~kvpress_critical_vllm.budget.blocks_held_at_most`; with async scheduling, and the next step's chunk
+        allocated before a compaction's blocks are back), and vLLM's whole-sequence check is skipped for it alone
+        (the flag is read by the allocation that follows this call).
         """
         bounded = tracked is not None and (tracked.options.chunk_size > 0 or tracked.options.decoding)
         self.scheduler_reserve_full_isl = self._kvpress_reserve_full_isl and not bounded
@@ -294,6 +295,11 @@ class CompressingSchedulerMixin:
             return num_new_tokens
         stages = tracked.schedule.upto(request.num_tokens)
         needed = blocks_held_at_most(stages, request.num_tokens, self.kvpress_block_size)
+        if isinstance(self, AsyncScheduler):
+            # the next step's tokens are allocated before the blocks a compaction frees are back (as hold_bound counts)
+            options = tracked.options
+            step = options.chunk_size + (options.window_size if options.needs_queries else 0) or 1
+            needed += blocks_for(step, self.kvpress_block_size) + 1
         if needed > self.kv_cache_manager.block_pool.get_num_free_blocks():
             return 0  # vLLM then stops admitting, as when a request's blocks cannot be allocated
         return num_new_tokens

@@ -124,37 +124,46 @@ class CompressingWorkerMixin:
         return result
 
     def determine_available_memory(self, *args, **kwargs) -> int:
-        """vLLM's KV budget, less the most a compaction holds (on GPUs; on CPUs the pool's size is set explicitly)."""
+        """vLLM's KV budget, less the most a compaction and the window queries hold (on GPUs; on CPUs the pool's size
+        is set explicitly)."""
         available = super().determine_available_memory(*args, **kwargs)
-        reserve = self._compaction_reserve()
+        compaction, queries = self._compaction_reserve()
         config = self.vllm_config.model_config
+        what = (
+            f"a compaction of a {config.max_model_len}-token prompt holds up to {compaction / 2**20:.1f} MiB and the "
+            f"window queries of {self.vllm_config.scheduler_config.max_num_seqs} requests up to "
+            f"{queries / 2**20:.1f} MiB"
+        )
         if self.vllm_config.device_config.device_type == "cpu":
             logger.info(
-                "kvpress_critical: a compaction of a %d-token prompt holds up to %.1f MiB beside the model and the KV "
-                "pool; leave that much memory free beside kv_cache_memory_bytes / VLLM_CPU_KVCACHE_SPACE",
-                config.max_model_len,
-                reserve / 2**20,
+                "kvpress_critical: %s beside the model and the KV pool; leave that much memory free beside "
+                "kv_cache_memory_bytes / VLLM_CPU_KVCACHE_SPACE",
+                what,
             )
             return available
-        logger.info(
-            "kvpress_critical: %.1f MiB of the KV budget reserved for compacting a %d-token prompt",
-            reserve / 2**20,
-            config.max_model_len,
-        )
-        return max(0, available - reserve)
+        logger.info("kvpress_critical: %s: reserved from the KV budget", what)
+        return max(0, available - compaction - queries)
 
-    def _compaction_reserve(self) -> int:
-        from kvpress_critical_vllm.presses import compaction_peak_bytes
+    def _compaction_reserve(self) -> tuple[int, int]:
+        """``(compaction, window queries)``: the bytes :func:`~kvpress_critical_vllm.presses.compaction_peak_bytes`
+        and :func:`~kvpress_critical_vllm.presses.window_queries_bytes` give for this engine."""
+        from kvpress_critical_vllm.presses import compaction_peak_bytes, window_queries_bytes
 
         model = self.vllm_config.model_config
         parallel = self.vllm_config.parallel_config
         num_kv_heads = model.get_num_kv_heads(parallel)
-        group = max(1, model.get_num_attention_heads(parallel) // max(1, num_kv_heads))
+        num_heads = model.get_num_attention_heads(parallel)
+        group = max(1, num_heads // max(1, num_kv_heads))
         options = self.kvpress_state.engine_options
-        return compaction_peak_bytes(
-            model.max_model_len, num_kv_heads, group, model.get_head_size(), model.dtype.itemsize,
-            options.max_window_size, model.get_num_layers(parallel),
+        layers, itemsize = model.get_num_layers(parallel), model.dtype.itemsize
+        compaction = compaction_peak_bytes(
+            model.max_model_len, num_kv_heads, group, model.get_head_size(), itemsize, options.max_window_size, layers,
         )  # fmt: skip
+        queries = window_queries_bytes(
+            self.vllm_config.scheduler_config.max_num_seqs, layers, options.max_window_size, num_heads,
+            model.get_head_size(), itemsize,
+        )  # fmt: skip
+        return compaction, queries
 
     def get_kv_cache_spec(self, *args, **kwargs):
         """vLLM's specs, the full-attention layers declaring the bound of a request compacted after every prompt chunk

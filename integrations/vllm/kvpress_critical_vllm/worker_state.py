@@ -26,6 +26,7 @@ preempted: the state never grows with the requests served.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -441,12 +442,12 @@ class WorkerState:
         positions = torch.arange(evict.start, evict.seen, device=job.block_ids.device)
         return job.block_ids[positions // evict.block_size].long() * evict.block_size + positions % evict.block_size
 
-    def _score(self, job: Job, attention_layers: dict) -> dict[str, tuple]:
-        """Every layer's scores, ``{layer: (base, norms)}`` (:func:`~kvpress_critical_vllm.presses.layer_scores`): the
-        part of a selection that may fail on one rank alone; nothing is written."""
+    def _score(self, job: Job, attention_layers: dict) -> Iterator[tuple[str, tuple]]:
+        """Each layer's scores, ``(layer, (base, norms))`` (:func:`~kvpress_critical_vllm.presses.layer_scores`), one
+        layer at a time (:meth:`_select` keeps its mask and drops its scores before the next is scored): the part of
+        a selection that may fail on one rank alone; nothing is written."""
         options, evict = job.directive.options, job.directive.eviction
         slots = self._slots(job)
-        scores = {}
         for name in self.o_proj:
             layer = attention_layers[name]
             kv_cache, impl = layer.kv_cache, layer.impl
@@ -459,24 +460,27 @@ class WorkerState:
             def read(first: int, end: int, kv_cache=kv_cache):
                 return self.layout.read(kv_cache, slots, slice(first, end))
 
-            scores[name] = layer_scores(
-                options,
-                read,
-                num_kv_heads,
-                evict.kept,
-                queries=job.queries.get(name),
-                o_proj_weight=self.o_proj[name] if options.critical else None,
-                chunk=chunk,
+            yield (
+                name,
+                layer_scores(
+                    options,
+                    read,
+                    num_kv_heads,
+                    evict.kept,
+                    queries=job.queries.get(name),
+                    o_proj_weight=self.o_proj[name] if options.critical else None,
+                    chunk=chunk,
+                ),
             )
-        return scores
 
-    def _select(self, job: Job, scores: dict[str, tuple]) -> dict[str, torch.Tensor]:
-        """The kept entries of every layer, ``{layer: (H_kv, N) bool}``, from its scores (head-wise presses run with
-        one rank only: :func:`~kvpress_critical_vllm.options.check_layout`)."""
+    def _select(self, job: Job, scores: Iterable[tuple[str, tuple]]) -> dict[str, torch.Tensor]:
+        """The kept entries of every layer, ``{layer: (H_kv, N) bool}``, from its scores, layer after layer (head-wise
+        presses run with one rank only: :func:`~kvpress_critical_vllm.options.check_layout`)."""
         options, evict = job.directive.options, job.directive.eviction
         kept = {}
-        for name, (base, norms) in scores.items():
+        for name, (base, norms) in scores:
             mask = select(options, base, norms, evict.kept, evict.held)
+            del base, norms  # the next layer's scores are made without this one's
             if options.head_wise:
                 boundary = evict.seen // evict.block_size * evict.block_size
                 if not bool(mask[:, boundary:].all()):

@@ -4,7 +4,9 @@
 "requests": [{"options": {option: value}, "max_tokens": int, "ignore_eos": bool}], "async_scheduling": bool}`` (one
 request per prompt: its own plugin options and sampling) and writes ``JOB.json.out``: the greedy tokens, the
 selections recorded by each rank (after each request's last compaction), the scheduler class, how many compactions
-each rank did and how many requests each rank still tracks once the batch is done (0: nothing left behind).
+each rank did and how many requests each rank still tracks once the batch is done (0: nothing left behind). A job
+may hold a ``"then"`` job: another engine configuration, started once the first is shut down (its result under
+``"then"``), so that one process serves several configurations.
 
 vLLM's CPU platform turns async scheduling off (``CpuPlatform.check_and_update_config``: "not required on CPU"),
 while it is vLLM's default on GPUs; with ``async_scheduling`` this script keeps it on through that hook so that the
@@ -36,7 +38,13 @@ def run(job: dict) -> dict:
         engine["async_scheduling"] = True
     from vllm import LLM
 
-    return serve_job(LLM(**engine, additional_config={"kvpress_critical": job["plugin"]}), job)
+    llm = LLM(**engine, additional_config={"kvpress_critical": job["plugin"]})
+    result = serve_job(llm, job)
+    if "then" in job:
+        llm.llm_engine.engine_core.shutdown()  # its processes and memory, before the next engine starts
+        del llm
+        result["then"] = run(job["then"])
+    return result
 
 
 def serve_job(llm, job: dict) -> dict:

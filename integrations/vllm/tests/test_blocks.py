@@ -46,3 +46,42 @@ def test_a_pool_holds_more_requests_at_once_with_uniform_and_head_wise_presses(s
     # when its whole prompt (8 blocks) is free: 1 + (64 - 8) // 3 = 19 at once, against 64 // 8 uncompressed
     assert uncompressed <= 64 // 8 and uniform >= 1 + (64 - 8) // 3 - 1 and uniform >= 2 * uncompressed, peaks
     assert abs(head_wise - uniform) <= 1, peaks
+
+
+def allocation_peak(events) -> int:
+    """The most bytes held at once by the CPU allocations of profiled ``events`` (each op's own allocations and the
+    frees, in time order): what a region of code added to memory at its worst."""
+    held = peak = 0
+    for event in sorted(events, key=lambda e: e.time_range.start):
+        held += event.self_cpu_memory_usage
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("press", ["critical_snapkv", "critical_adakv_snapkv"])
+def test_a_compactions_memory_peak_is_within_its_formula(engine, prompt_ids, monkeypatch, press):
+    """The CPU allocations of a 1500-token request's compaction (every layer scored, selected and written), profiled
+    while it runs: their peak is at most what ``compaction_peak_bytes`` reserves for the prompt, and not far below."""
+    from kvpress_critical_vllm.presses import compaction_peak_bytes
+    from kvpress_critical_vllm.worker_state import WorkerState
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    finish_step, peaks = WorkerState.finish_step, []
+
+    def profiled(self, attention_layers):
+        if not (self._plan is not None and self._plan.jobs):
+            return finish_step(self, attention_layers)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+            finish_step(self, attention_layers)
+        peaks.append(allocation_peak(profiler.events()))
+
+    monkeypatch.setattr(WorkerState, "finish_step", profiled)
+    n = 1500
+    params = SamplingParams(max_tokens=1, extra_args={"kvpress_critical": {"press": press}})
+    served = serve(engine, {f"peak-{press}": (prompt_ids[:n], params)})
+    assert served.records[f"peak-{press}"].prompt_tokens == n and len(peaks) == 1
+    # SmolLM2: 30 layers, 3 KV heads in groups of 3, head size 64, float32; SnapKV's window of 64
+    formula = compaction_peak_bytes(n, 3, 3, 64, 4, 64, 30, head_wise="adakv" in press)
+    print(f"{press}: compaction peak {peaks[0] / 2**20:.2f} MiB, formula {formula / 2**20:.2f} MiB")
+    assert 0.25 * formula <= peaks[0] <= formula

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import background
 import pytest
-from conftest import ENGINES, engine_kwargs, run_batch, shared_engine, tiny_llama, token_ids
+from conftest import ENGINES, engine_kwargs, run_batch, serve, shared_engine, tiny_llama, token_ids
 from selections import same_entries
 from workload import ENGINE_OPTIONS, ROWS, rows_of
 
@@ -59,15 +59,36 @@ def test_chunked_prefill_keeps_the_same_entries_and_tokens(mixed_batch, prompt_i
 ASYNC_ROWS = [next(row for row in ROWS if row.kind == kind) for kind in dict.fromkeys(row.kind for row in ROWS)]
 
 
+# longer than the pool (the "bounded" engine: max_model_len 2048 in 16 blocks): a prompt 2.3 times the pool, compacted
+# after every chunk, and two requests compressed while decoding, which the pool cannot all hold at once
+BOUNDED_REQUESTS = [
+    {"start": 0, "length": 1200, "max_tokens": 32},
+    {"start": 300, "length": 250, "max_tokens": 150},
+    {"start": 600, "length": 300, "max_tokens": 150},
+]
+
+
+def bounded_prompts(ids: list[int]) -> list[list[int]]:
+    return [ids[r["start"] : r["start"] + r["length"]] for r in BOUNDED_REQUESTS]
+
+
+def engine_job(name: str, async_scheduling: bool, prompts, requests, ids) -> dict:
+    config = dict(ENGINES[name])
+    engine = engine_kwargs(**{key: value for key, value in config.items() if key != "plugin"})
+    return dict(engine=engine, plugin=config["plugin"], prompts=prompts, requests=requests,
+                async_scheduling=async_scheduling)  # fmt: skip
+
+
 @background.job("async-scheduling")
 def async_scheduling_job(tmp_path_factory) -> background.Job:
-    config = dict(ENGINES["default"])
+    """One engine process, two configurations in turn: the default engine's (a request of every kind of the mixed
+    batch), then the bounded engine's (longer than the pool)."""
     ids = token_ids()
-    return engine_process_job(
-        tmp_path_factory.mktemp("async-scheduling"), engine=engine_kwargs(**{k: v for k, v in config.items()
-        if k != "plugin"}), plugin=config["plugin"], prompts=[row.prompt(ids) for row in ASYNC_ROWS],
-        requests=job_requests(ASYNC_ROWS), async_scheduling=True,
-    )  # fmt: skip
+    rows = [row.prompt(ids) for row in ASYNC_ROWS]
+    bounded = [{"max_tokens": r["max_tokens"], "ignore_eos": True} for r in BOUNDED_REQUESTS]
+    job = engine_job("default", True, rows, job_requests(ASYNC_ROWS), ids)
+    job["then"] = engine_job("bounded", True, bounded_prompts(ids), bounded, ids)
+    return engine_process_job(tmp_path_factory.mktemp("async-scheduling"), **job)
 
 
 @pytest.mark.background("async-scheduling")
@@ -81,6 +102,23 @@ def test_async_scheduling_in_an_engine_process(mixed_batch, background_job):
     compactions = sum(len(plan_of(r.options, r.length, r.length + r.max_tokens - 1)) for r in ASYNC_ROWS)
     assert result["compacted"] == [compactions] and result["tracked"] == [0]
     assert result["tokens"] == [mixed_batch[row.name].tokens for row in ASYNC_ROWS]
+
+
+@pytest.mark.background("async-scheduling")
+def test_async_scheduling_longer_than_the_pool(bounded_engine, prompt_ids, background_job):
+    """Async scheduling allocates a step's blocks before the previous step's compaction frees its own: admission
+    counts the extra chunk (as the bound does), and requests longer than the pool, held to their bounds, give the
+    synchronous engine's tokens, compactions included, with nothing tracked after."""
+    from vllm import SamplingParams
+
+    result = result_of(background_job)["then"]
+    assert "CriticalKVAsyncScheduler" in result["scheduler"] and result["tracked"] == [0]
+    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0, ignore_eos=True) for r in BOUNDED_REQUESTS]
+    before = bounded_engine.collective_rpc("kvpress_critical_compacted")[0]
+    requests = {f"bounded-sync-{i}": (p, q) for i, (p, q) in enumerate(zip(bounded_prompts(prompt_ids), params))}
+    served = serve(bounded_engine, requests)
+    assert result["tokens"] == [served.tokens[name] for name in requests]
+    assert result["compacted"] == [bounded_engine.collective_rpc("kvpress_critical_compacted")[0] - before]
 
 
 TP_REQUESTS = [

@@ -61,7 +61,7 @@ def test_the_documented_first_run_works_from_a_fresh_venv(background_job):
     output = background_job.output()
     assert background_job.returncode == 0, (background_job.error, output[-5000:])
     answers = [line for line in output.splitlines() if "prompt tokens ->" in line]
-    assert len(answers) == 4, output[-3000:]  # two ratios offline, two requests over HTTP
+    assert len(answers) == 5, output[-3000:]  # uncompressed and two ratios offline, two requests over HTTP
     assert "vllm:kvpress_critical_requests_compressed_total" in output
     # the plugin's own conversion holds the weights of the main package's (kvpress's environment, transformers 5.2)
     import torch
