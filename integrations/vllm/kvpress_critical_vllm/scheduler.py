@@ -34,6 +34,7 @@ from kvpress_critical_vllm.kv_spec import CompressedFullAttentionSpec
 from kvpress_critical_vllm.metrics import MetricsWriter
 from kvpress_critical_vllm.options import CompressionOptions, OptionsError, engine_options, resolve_options
 from kvpress_critical_vllm.protocol import DIRECTIVES_ATTRIBUTE, REPORT_ATTRIBUTE, Compact, StepDirectives
+from kvpress_critical_vllm.vllm_compat import discard_sampled_tokens, free_blocks, real_blocks_held, remove_blocks
 
 # under vLLM's logger, so that the lines appear in vLLM's log at its level (VLLM_LOGGING_LEVEL)
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -58,17 +59,6 @@ class CompressionRecord:
     compaction: int = 1  # the latest compaction of the request ...
     compactions: int = 1  # ... of this many (one per prompt chunk with chunk_size); 0 while decoding (open-ended)
     phase: str = "prompt"  # of the latest compaction: "prompt" or "decoding"
-
-
-def discard_sampled_tokens(model_runner_output, request_ids: list[str]) -> None:
-    """No token of this step for ``request_ids`` (requests about to end with an error): vLLM then appends none and
-    checks no stop for them, as for a partial prefill."""
-    index = model_runner_output.req_id_to_index
-    sampled = model_runner_output.sampled_token_ids
-    for request_id in request_ids:
-        row = index.get(request_id)
-        if row is not None and row < len(sampled):
-            sampled[row] = []
 
 
 class BoundedRecords(OrderedDict):
@@ -300,7 +290,7 @@ class CompressingSchedulerMixin:
             options = tracked.options
             step = options.chunk_size + (options.window_size if options.needs_queries else 0) or 1
             needed += blocks_for(step, self.kvpress_block_size) + 1
-        if needed > self.kv_cache_manager.block_pool.get_num_free_blocks():
+        if needed > free_blocks(self):
             return 0  # vLLM then stops admitting, as when a request's blocks cannot be allocated
         return num_new_tokens
 
@@ -397,13 +387,8 @@ class CompressingSchedulerMixin:
             outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(ended)
 
     def _free_evicted(self, request: Request, tracked: Tracked, plan: Eviction, done) -> None:
-        managers = self.kv_cache_manager.coordinator.single_type_managers
-        blocks_before = sum(
-            block is not None and not block.is_null for block in managers[0].req_to_blocks.get(request.request_id, ())
-        )
-        for manager in managers:
-            first, end = plan.start // manager.block_size, plan.evicted // manager.block_size
-            manager._remove_blocks_in_range(request.request_id, first, end)
+        blocks_before = real_blocks_held(self, request.request_id)
+        remove_blocks(self, request.request_id, plan.start, plan.evicted)
         tracked.confirmed += 1
         options = tracked.options
         record = CompressionRecord(

@@ -20,6 +20,7 @@ from kvpress_critical_vllm.attention import CompressingBuilderMixin, Compressing
 from kvpress_critical_vllm.engine_config import EngineConfigError
 from kvpress_critical_vllm.layouts import region_views
 from kvpress_critical_vllm.protocol import REPORT_ATTRIBUTE, StepReport
+from kvpress_critical_vllm.vllm_compat import attention_groups, discarded_rows, forward_context, generators_of
 from kvpress_critical_vllm.worker_state import WorkerState
 
 # under vLLM's logger, so that the lines appear in vLLM's log at its level (VLLM_LOGGING_LEVEL)
@@ -75,15 +76,11 @@ def discarded_cpu_generators_set_aside(runner):
     request's later samples see the same random stream as if the discarded one had not been drawn. The discarded row
     draws from the global generator instead (its token is thrown away). GPU generators are left to vLLM.
     """
-    batch = getattr(runner, "input_batch", None)
-    mask = getattr(runner, "discard_request_mask", None)
-    generators = getattr(batch, "generators", None)
-    aside = {}
-    if generators and mask is not None:
-        discarded = mask.np[: batch.num_reqs]
-        aside = {i: g for i, g in generators.items() if i < len(discarded) and discarded[i] and g.device.type == "cpu"}
-        for index in aside:
-            del generators[index]  # the sampling metadata holds this same dict
+    generators = generators_of(runner)
+    discarded = discarded_rows(runner)
+    aside = {i: g for i, g in generators.items() if i < len(discarded) and discarded[i] and g.device.type == "cpu"}
+    for index in aside:
+        del generators[index]  # the sampling metadata holds this same dict
     try:
         yield
     finally:
@@ -182,7 +179,7 @@ class CompressingWorkerMixin:
         return result
 
     def _attention_layers(self) -> dict:
-        return self.vllm_config.compilation_config.static_forward_context
+        return forward_context(self.vllm_config)
 
     def _check_attention_layers(self) -> None:
         """Every compressed layer runs a plugin backend whose cache the plugin reads and writes exactly (probed); the
@@ -208,7 +205,7 @@ class CompressingWorkerMixin:
         state.layout = first.impl.paged_layout(first, first.kv_cache)
         state.block_size = first.kv_cache.shape[2] if first.kv_cache.dim() == 4 else None
         builders = 0
-        for groups in self.model_runner.attn_groups:
+        for groups in attention_groups(self.model_runner):
             for group in groups:
                 spec_block = group.kv_cache_spec.block_size
                 if group.kernel_block_size not in (None, spec_block):

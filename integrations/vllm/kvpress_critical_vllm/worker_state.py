@@ -35,6 +35,7 @@ import torch
 from kvpress_critical_vllm.layouts import block_memory, region_views
 from kvpress_critical_vllm.presses import heads_per_chunk, layer_scores, select
 from kvpress_critical_vllm.protocol import DIRECTIVES_ATTRIBUTE, Compact, Compacted, StepDirectives, StepReport
+from kvpress_critical_vllm.vllm_compat import batch_of
 
 # under vLLM's logger, so that the lines appear in vLLM's log at its level (VLLM_LOGGING_LEVEL)
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -207,7 +208,7 @@ class WorkerState:
         The plan of the step whose common attention metadata is ``cm``: computed once per step from the runner's
         batch and the scheduler's directives (dummy and profiling runs, with an empty batch, get an empty plan).
         """
-        batch = self.runner.input_batch
+        batch = batch_of(self.runner)
         num_reqs = batch.num_reqs
         if num_reqs == 0:
             return StepPlan()

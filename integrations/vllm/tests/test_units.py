@@ -627,3 +627,38 @@ def test_the_head_wise_probe_reaches_every_tile_of_query_rows(group):
         served = {tile(q_len) for q_len in range(1, 513)}
         assert {tile(q_len) for q_len in head_wise_probe_lengths(group)} == served
         assert head_wise_probe_lengths(group)[0] == 1
+
+
+def test_the_vllm_surface_the_plugin_relies_on_is_there():
+    """Every vLLM name of ``vllm_compat.SURFACE`` against the installed vLLM: the classes and functions import, the
+    methods take the parameters the plugin passes or overrides, the attributes exist (declared fields, class
+    attributes, or assigned in a class's source). What this reports is what a vLLM upgrade must follow."""
+    import inspect
+
+    from kvpress_critical_vllm.vllm_compat import SURFACE, resolve
+
+    missing = []
+    for module, name, kind in SURFACE:
+        try:
+            if kind == "attribute":
+                owner, attribute = name.rsplit(".", 1)
+                cls = resolve(module, owner)
+                declared = any(
+                    attribute in getattr(k, "__annotations__", {}) or attribute in vars(k) for k in cls.__mro__
+                )
+                assigned = any(
+                    f"self.{attribute} =" in inspect.getsource(k) or f"self.{attribute}:" in inspect.getsource(k)
+                    for k in cls.__mro__
+                    if k.__module__.startswith("vllm")
+                )
+                assert declared or assigned, "no such attribute"
+            elif kind.startswith("method("):
+                wanted = [p.strip() for p in kind[len("method(") : -1].split(",") if p.strip()]
+                parameters = inspect.signature(inspect.unwrap(resolve(module, name))).parameters
+                absent = [p for p in wanted if p not in parameters]
+                assert not absent, f"no parameter(s) {absent} in {list(parameters)}"
+            else:
+                assert resolve(module, name) is not None
+        except (ImportError, AttributeError, AssertionError) as error:
+            missing.append(f"{module}.{name} ({kind}): {error}")
+    assert not missing, "\n".join(missing)

@@ -1,0 +1,181 @@
+"""The private vLLM internals the plugin reads and writes, in one place (vLLM 0.32).
+
+The plugin subclasses vLLM's scheduler, workers and attention backends, wraps three of its methods, and reads and
+writes state that vLLM does not publish: the block manager's per-request blocks, the model runner's batch, its
+partial-prefill mask and its generators, the runner output's sampled tokens. The accessors below are the only places
+that touch that state; :data:`SURFACE` lists every vLLM name the plugin relies on (the classes it imports or
+subclasses, the methods it overrides, calls or wraps with the parameters it passes, the attributes it reads), and
+the plugin's surface test (``tests/test_units.py::test_the_vllm_surface_the_plugin_relies_on_is_there``) checks
+each against the installed vLLM in seconds. A vLLM upgrade starts there: what the test reports missing or changed
+is what a port must follow. The version notes are in docs/vllm.md ("vLLM's internals the plugin relies on").
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+
+# (module, qualified name, what the plugin needs of it): "class" (imported or subclassed), "method(param, ...)" (the
+# parameters the plugin passes or overrides, by name), "attribute" (read or written on instances: checked in the
+# class's source, since instance attributes are set in __init__)
+SURFACE: tuple[tuple[str, str, str], ...] = (
+    # the scheduler side (scheduler.py)
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "class"),
+    ("vllm.v1.core.sched.async_scheduler", "AsyncScheduler", "class"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.add_request", "method(request)"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.schedule", "method()"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.update_from_output", "method(scheduler_output, model_runner_output)"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.finish_requests", "method(request_ids, finished_status)"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler._free_request", "method(request)"),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler._reserve_prefill_lookahead",
+        "method(request, num_computed_tokens, num_new_tokens)",
+    ),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.scheduler_reserve_full_isl", "attribute"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.kv_cache_manager", "attribute"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.kv_cache_config", "attribute"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.waiting", "attribute"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.running", "attribute"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.requests", "attribute"),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.block_pool", "attribute"),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.coordinator", "attribute"),
+    ("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.single_type_managers", "attribute"),
+    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager.req_to_blocks", "attribute"),
+    (
+        "vllm.v1.core.single_type_kv_cache_manager",
+        "SingleTypeKVCacheManager._remove_blocks_in_range",
+        "method(request_id, first_block, last_block)",
+    ),
+    ("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks", "method()"),
+    ("vllm.v1.request", "Request", "class"),
+    ("vllm.v1.request", "RequestStatus", "class"),
+    *(
+        ("vllm.v1.request", f"Request.{name}", "attribute")
+        for name in (
+            "request_id", "sampling_params", "num_prompt_tokens", "num_computed_tokens", "num_tokens", "max_tokens",
+            "num_preemptions", "resumable", "status", "client_index", "trace_headers",
+        )
+    ),  # fmt: skip
+    ("vllm.v1.request", "Request.take_events", "method()"),
+    ("vllm.v1.request", "Request.get_finished_reason", "method()"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput.num_scheduled_tokens", "attribute"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput.finished_req_ids", "attribute"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput.scheduled_new_reqs", "attribute"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput.scheduled_cached_reqs", "attribute"),
+    ("vllm.v1.core.sched.output", "CachedRequestData.resumed_req_ids", "attribute"),
+    ("vllm.v1.engine", "EngineCoreOutput", "class"),
+    ("vllm.v1.engine", "EngineCoreOutputs", "class"),
+    ("vllm.v1.kv_cache_interface", "FullAttentionSpec", "class"),
+    ("vllm.v1.kv_cache_interface", "KVCacheSpec", "class"),
+    # the bound a request holds (kv_spec.py): vLLM's start-up check and concurrency figures call these
+    ("vllm.v1.kv_cache_interface", "FullAttentionSpec.max_memory_usage_bytes", "method(vllm_config)"),
+    ("vllm.v1.kv_cache_interface", "FullAttentionSpec.merge", "method(specs)"),
+    # the worker side (worker.py, worker_state.py, attention.py)
+    ("vllm.v1.worker.cpu_worker", "CPUWorker", "class"),
+    ("vllm.v1.worker.gpu_worker", "Worker", "class"),
+    ("vllm.v1.worker.gpu_worker", "Worker.execute_model", "method(scheduler_output)"),
+    ("vllm.v1.worker.gpu_worker", "Worker.sample_tokens", "method(grammar_output)"),
+    ("vllm.v1.worker.gpu_worker", "Worker.determine_available_memory", "method()"),
+    ("vllm.v1.worker.gpu_worker", "Worker.get_kv_cache_spec", "method()"),
+    ("vllm.v1.worker.gpu_worker", "Worker.initialize_from_config", "method(kv_cache_config)"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.input_batch", "attribute"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.discard_request_mask", "attribute"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.attn_groups", "attribute"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch.generators", "attribute"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch.num_computed_tokens_cpu", "attribute"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch.req_ids", "attribute"),
+    ("vllm.v1.outputs", "ModelRunnerOutput", "class"),
+    ("vllm.v1.outputs", "ModelRunnerOutput.sampled_token_ids", "attribute"),
+    ("vllm.v1.outputs", "ModelRunnerOutput.req_id_to_index", "attribute"),
+    ("vllm.v1.outputs", "AsyncModelRunnerOutput", "class"),
+    ("vllm.v1.outputs", "EMPTY_MODEL_RUNNER_OUTPUT", "object"),
+    ("vllm.v1.attention.backend", "CommonAttentionMetadata", "class"),
+    ("vllm.v1.attention.backend", "CommonAttentionMetadata.block_table_tensor", "attribute"),
+    ("vllm.v1.attention.backend", "CommonAttentionMetadata.query_start_loc_cpu", "attribute"),
+    ("vllm.v1.attention.backends.registry", "AttentionBackendEnum", "class"),
+    ("vllm.v1.attention.backends.registry", "register_backend", "function"),
+    ("vllm.v1.attention.selector", "_cached_get_attn_backend", "function"),
+    ("vllm.model_executor.layers.attention", "Attention", "class"),
+    ("vllm.distributed", "get_tp_group", "function"),
+    # the entry points (plugin.py, engine_config.py)
+    ("vllm.engine.arg_utils", "EngineArgs.create_engine_config", "method()"),
+    ("vllm.sampling_params", "SamplingParams._verify_extra_args", "method()"),
+    ("vllm.v1.engine.input_processor", "InputProcessor.process_inputs", "method()"),
+    ("vllm.exceptions", "VLLMValidationError", "class"),
+    ("vllm.config.compilation", "CUDAGraphMode", "class"),
+    ("vllm.config.compilation", "CompilationMode", "class"),
+)
+
+
+def resolve(module: str, name: str):
+    """The object ``module.name`` (``name`` may be ``Class.member``)."""
+    value = importlib.import_module(module)
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- scheduler side
+def managers(scheduler) -> list:
+    """The scheduler's per-group block managers (one group: the plugin refuses models with several)."""
+    return scheduler.kv_cache_manager.coordinator.single_type_managers
+
+
+def free_blocks(scheduler) -> int:
+    """Blocks free in the scheduler's pool."""
+    return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def real_blocks_held(scheduler, request_id: str) -> int:
+    """Blocks a request holds in the first group (its null placeholders aside)."""
+    held = managers(scheduler)[0].req_to_blocks.get(request_id, ())
+    return sum(block is not None and not block.is_null for block in held)
+
+
+def remove_blocks(scheduler, request_id: str, first_token: int, end_token: int) -> None:
+    """Free the blocks of positions ``first_token .. end_token - 1`` of a request (whole blocks; replaced by the null
+    block in its table, as vLLM's sliding-window manager does)."""
+    for manager in managers(scheduler):
+        manager._remove_blocks_in_range(request_id, first_token // manager.block_size, end_token // manager.block_size)
+
+
+def discard_sampled_tokens(model_runner_output, request_ids: Iterable[str]) -> None:
+    """No token of this step for ``request_ids``: vLLM then appends none and checks no stop for them, as for a
+    partial prefill."""
+    index = model_runner_output.req_id_to_index
+    sampled = model_runner_output.sampled_token_ids
+    for request_id in request_ids:
+        row = index.get(request_id)
+        if row is not None and row < len(sampled):
+            sampled[row] = []
+
+
+# ------------------------------------------------------------------------------------------------- worker side
+def batch_of(runner):
+    """The model runner's persistent batch (request ids, computed tokens, generators)."""
+    return runner.input_batch
+
+
+def discarded_rows(runner) -> list[bool]:
+    """Per row of the runner's batch: whether this step's sample is thrown away (a partial prefill)."""
+    batch, mask = getattr(runner, "input_batch", None), getattr(runner, "discard_request_mask", None)
+    if batch is None or mask is None:
+        return []
+    return [bool(flag) for flag in mask.np[: batch.num_reqs]]
+
+
+def generators_of(runner) -> dict:
+    """The runner's per-row generators of seeded requests (the sampling metadata holds this same dict)."""
+    batch = getattr(runner, "input_batch", None)
+    return getattr(batch, "generators", None) or {}
+
+
+def attention_groups(runner) -> list:
+    """The runner's attention groups (their metadata builders and KV cache specs)."""
+    return runner.attn_groups
+
+
+def forward_context(vllm_config) -> dict:
+    """Every attention layer by name (``compilation_config.static_forward_context``)."""
+    return vllm_config.compilation_config.static_forward_context
