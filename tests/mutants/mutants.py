@@ -59,9 +59,9 @@ MUTANTS = (
         plugin_tests("units", "chunked", "decoding"),
     ),
     Mutant(
-        "scheduler-frees-a-block-still-read", "scheduler", f"{PLUGIN}/scheduler.py",
-        "            first, end = plan.start // manager.block_size, plan.evicted // manager.block_size",
-        "            first, end = plan.start // manager.block_size, plan.evicted // manager.block_size + 1",
+        "scheduler-frees-a-block-still-read", "scheduler", f"{PLUGIN}/vllm_compat.py",
+        "first_token // manager.block_size, end_token // manager.block_size)",
+        "first_token // manager.block_size, end_token // manager.block_size + 1)",
         "a confirmed compaction frees one block past its evicted positions: the request still reads it",
         plugin_tests("blocks", "exactness", "head_wise", "chunked", "decoding"),
     ),
