@@ -53,10 +53,10 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     *(
         ("vllm.v1.request", f"Request.{name}", "attribute")
         for name in (
-            "request_id", "sampling_params", "num_prompt_tokens", "num_computed_tokens", "num_tokens", "max_tokens",
-            "num_preemptions", "resumable", "status", "client_index", "trace_headers",
-        )
-    ),  # fmt: skip
+            "request_id sampling_params num_prompt_tokens num_computed_tokens num_tokens max_tokens num_preemptions "
+            "resumable status client_index trace_headers"
+        ).split()
+    ),
     ("vllm.v1.request", "Request.take_events", "method()"),
     ("vllm.v1.request", "Request.get_finished_reason", "method()"),
     ("vllm.v1.core.sched.output", "SchedulerOutput.num_scheduled_tokens", "attribute"),
