@@ -268,7 +268,13 @@ def check_options(
     limits = engine if engine is not None else options
 
     def fail(name: str, allowed: str) -> OptionsError:
-        return OptionsError(f"{where}: {name}={_shown(getattr(options, name))} is not allowed: {allowed}", option=name)
+        value = getattr(options, name)
+        hint = ""
+        if isinstance(value, bool):
+            hint = " (a boolean, not a number)"
+        elif isinstance(value, float) and value.is_integer() and "integer" in allowed:
+            hint = f" (a float: pass {int(value)})"
+        return OptionsError(f"{where}: {name}={_shown(value)} is not allowed{hint}: {allowed}", option=name)
 
     if not isinstance(options.press, str) or options.press not in PRESSES:
         if isinstance(options.press, str) and options.press in REFUSED_PRESSES:

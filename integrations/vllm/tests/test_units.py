@@ -109,6 +109,16 @@ def test_chunk_size_is_checked():
     assert knorm.chunk_size == 8  # no window to fill
 
 
+def test_a_wrong_type_says_what_to_send():
+    """Strict types (a JSON client may send 256.0 or true): refused, the message saying what was sent and the fix."""
+    with pytest.raises(OptionsError, match=r"chunk_size=256\.0 is not allowed \(a float: pass 256\)"):
+        engine_options({"kvpress_critical": {"compression_ratio": 0.5, "chunk_size": 256.0}})
+    with pytest.raises(OptionsError, match=r"compression_ratio=True is not allowed \(a boolean, not a number\)"):
+        engine_options({"kvpress_critical": {"compression_ratio": True}})
+    with pytest.raises(OptionsError, match=r"chunk_size=1\.5 is not allowed: an integer"):  # no hint: not integral
+        engine_options({"kvpress_critical": {"compression_ratio": 0.5, "chunk_size": 1.5}})
+
+
 @pytest.mark.parametrize("ratio", [0.0, 0.5])
 @pytest.mark.parametrize("chunk_size", [0, 256])
 @pytest.mark.parametrize("interval, target", [(65, 100), (128, 512), (300, 64)])
