@@ -223,6 +223,14 @@ class Schedule:
             self._next_point += interval
 
 
+def next_step_blocks(options: CompressionOptions, block_size: int) -> int:
+    """Blocks of a request's next step allocated (with async scheduling) before the blocks a compaction frees are
+    back: its next chunk (``chunk_size``, the last one up to SnapKV's window longer; at least one token) and one block
+    of rounding."""
+    chunk = options.chunk_size + (options.window_size if options.needs_queries else 0)
+    return blocks_for(chunk or 1, block_size) + 1
+
+
 def hold_bound(options: CompressionOptions, max_len: int, block_size: int) -> int | None:
     """
     The most KV blocks a request with these options holds, whatever its prompt and generation up to ``max_len``
@@ -250,7 +258,7 @@ def hold_bound(options: CompressionOptions, max_len: int, block_size: int) -> in
 
     prefill = blocks(compute_n_kept(max(1, max_len - chunk), ratio) + chunk)
     decoding = blocks(max(compute_n_kept(max(1, max_len - interval), ratio), options.target_size) + interval)
-    bound = max(prefill, decoding) + blocks_for(chunk, block_size) + 1
+    bound = max(prefill, decoding) + next_step_blocks(options, block_size)
     return bound if bound < blocks_for(max_len, block_size) else None
 
 

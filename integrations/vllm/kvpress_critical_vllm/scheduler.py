@@ -28,7 +28,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request, RequestStatus
 
-from kvpress_critical_vllm.budget import Eviction, Schedule, blocks_for, blocks_held_at_most
+from kvpress_critical_vllm.budget import Eviction, Schedule, blocks_for, blocks_held_at_most, next_step_blocks
 from kvpress_critical_vllm.engine_config import EngineConfigError
 from kvpress_critical_vllm.kv_spec import CompressedFullAttentionSpec
 from kvpress_critical_vllm.metrics import MetricsWriter
@@ -285,11 +285,8 @@ class CompressingSchedulerMixin:
             return num_new_tokens
         stages = tracked.schedule.upto(request.num_tokens)
         needed = blocks_held_at_most(stages, request.num_tokens, self.kvpress_block_size)
-        if isinstance(self, AsyncScheduler):
-            # the next step's tokens are allocated before the blocks a compaction frees are back (as hold_bound counts)
-            options = tracked.options
-            step = options.chunk_size + (options.window_size if options.needs_queries else 0) or 1
-            needed += blocks_for(step, self.kvpress_block_size) + 1
+        if isinstance(self, AsyncScheduler):  # as hold_bound counts
+            needed += next_step_blocks(tracked.options, self.kvpress_block_size)
         if needed > free_blocks(self):
             return 0  # vLLM then stops admitting, as when a request's blocks cannot be allocated
         return num_new_tokens
@@ -300,16 +297,16 @@ class CompressingSchedulerMixin:
         report = getattr(model_runner_output, REPORT_ATTRIBUTE, None)
         if report is not None:
             self._kvpress_worker_tracked = report.tracked_requests
-        broken = self._apply_report(directives, report) if directives is not None and directives.compact else []
-        if report is not None and report.broken:
-            # a step that broke a request outside its compaction (its head-wise attention failed): its token of this
-            # step was computed over a wrong cache and is thrown away
-            failed = [rid for rid in report.broken if rid not in broken and rid in self.requests]
-            for request_id in failed:
-                self._forget(request_id)
-                self._leave_uncompressed(request_id, f"{report.broken[request_id]}; it ends with an error")
-            broken += failed
+        # requests a worker broke (a compaction written in part, a failed head-wise attention): their token of this
+        # step is thrown away, and they end with an error below
+        broken = [rid for rid in report.broken if rid in self.requests] if report is not None else []
+        for request_id in broken:
+            self._forget(request_id)
+            self._leave_uncompressed(request_id, f"{report.broken[request_id]}; it ends with an error")
+        if broken:
             discard_sampled_tokens(model_runner_output, broken)
+        if directives is not None and directives.compact:
+            self._apply_report(directives, report)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if broken:
             self._end_with_error(broken, outputs)
@@ -325,22 +322,16 @@ class CompressingSchedulerMixin:
         self.kvpress_metrics.flush(force=not self.has_unfinished_requests())
         return result
 
-    def _apply_report(self, directives: StepDirectives, report) -> list[str]:
-        """Free the blocks of each compaction the workers confirm and leave the others whole; the requests a worker
-        changed in part (to be ended with an error) are returned."""
-        broken = []
+    def _apply_report(self, directives: StepDirectives, report) -> None:
+        """Free the blocks of each compaction the workers confirm and leave the others whole (the requests a worker
+        changed in part were forgotten by :meth:`update_from_output`, which ends them)."""
         for request_id, directive in directives.compact.items():
             request = self.requests.get(request_id)
             tracked = self._kvpress.get(request_id)
             if request is None or tracked is None or request.is_finished():
-                continue  # finished meanwhile: its blocks went back with it
+                continue  # finished meanwhile (its blocks went back with it), or broken (forgotten, to be ended)
             if report is None:
                 self._fall_back(request, "the workers sent no report for its compaction step")
-                continue
-            if request_id in report.broken:
-                broken.append(request_id)
-                self._forget(request_id)
-                self._leave_uncompressed(request_id, f"{report.broken[request_id]}; it ends with an error")
                 continue
             done = report.compacted.get(request_id)
             if done is None:
@@ -349,7 +340,6 @@ class CompressingSchedulerMixin:
             if tracked.life != request.num_preemptions or done.evicted != directive.eviction.evicted:
                 continue  # preempted since the directive was sent: its blocks were all freed, it is redone later
             self._free_evicted(request, tracked, directive.eviction, done)
-        return broken
 
     def _end_unservable(self, outputs: dict) -> None:
         """End with an error the requests :meth:`_check_whole` found, and any waiting request held whole that can never

@@ -77,7 +77,7 @@ def discarded_cpu_generators_set_aside(runner):
     draws from the global generator instead (its token is thrown away). GPU generators are left to vLLM.
     """
     generators = generators_of(runner)
-    discarded = discarded_rows(runner)
+    discarded = discarded_rows(runner) if generators else []  # no seeded request in the batch: nothing to read
     aside = {i: g for i, g in generators.items() if i < len(discarded) and discarded[i] and g.device.type == "cpu"}
     for index in aside:
         del generators[index]  # the sampling metadata holds this same dict

@@ -254,9 +254,10 @@ def internal_id(selections: dict, request_id: str) -> str:
 
 
 def real_blocks(scheduler, request_id: str) -> int:
-    """Blocks a request holds in the pool (its null placeholders aside)."""
-    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-    return sum(not block.is_null for block in manager.req_to_blocks.get(request_id, ()))
+    """Blocks a request holds in the pool (its null placeholders aside): the plugin's own count."""
+    from kvpress_critical_vllm.vllm_compat import real_blocks_held
+
+    return real_blocks_held(scheduler, request_id)
 
 
 @pytest.fixture(scope="session")

@@ -138,12 +138,8 @@ def test_longer_than_the_pool_a_request_that_falls_back_ends_alone_and_the_other
     import kvpress_critical_vllm.scheduler as scheduler_module
     import kvpress_critical_vllm.worker as worker_module
     from kvpress_critical_vllm.worker_state import WorkerState
-    from vllm import SamplingParams
 
-    def params(max_tokens):
-        return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-    others = {f"{fault}-other{i}": (prompt_ids[300 * i : 300 * i + 300], params(8)) for i in (1, 2)}
+    others = {f"{fault}-other{i}": (prompt_ids[300 * i : 300 * i + 300], greedy(8)) for i in (1, 2)}
     expected = serve(bounded_engine, dict(others)).tokens
     others = {f"{name}-again": request for name, request in others.items()}
     victim = f"{fault}-victim"
@@ -182,7 +178,7 @@ def test_longer_than_the_pool_a_request_that_falls_back_ends_alone_and_the_other
 
         monkeypatch.setattr(scheduler_module.Tracked, "next_end", no_stop_at_512)
         monkeypatch.setattr(scheduler_module.CompressingSchedulerMixin, "_plan_request", planned)
-    served = serve(bounded_engine, {victim: (prompt_ids[:560], params(8)), **others})
+    served = serve(bounded_engine, {victim: (prompt_ids[:560], greedy(8)), **others})
     assert served.finish[victim] == "error", (served.finish, caplog.text[-3000:])
     assert {name.removesuffix("-again"): served.tokens[name] for name in others} == expected
     assert all(served.finish[name] == "length" for name in others)
