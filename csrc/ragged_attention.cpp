@@ -434,7 +434,7 @@ at::Tensor ragged_attention_quantized_cpu(const at::Tensor& query, const at::Ten
 // (kvpress_critical/ops/paged_ragged_attention). A segment's region entries are read in place, run by run (a run:
 // the entries of one region block, consecutive rows), through the row's region table; a row's tail is gathered
 // once per (row, KV head) into the thread's scratch through the tail's block table and element offsets (the
-// engine's own in-block order), then attended with its causal limits. Work items and the merge are ragged_attention's.
+// engine's own in-block order), a run of consecutive offsets per copy, then attended with its causal limits. Work items and the merge are ragged_attention's.
 at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor& region_keys,
                                       const at::Tensor& region_values, const at::Tensor& region_table_in,
                                       const at::Tensor& seg_start_in, const at::Tensor& seg_len_in,
@@ -512,6 +512,21 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
                 "kvpress_critical: key / value offsets outside a block");
   }
 
+  // runs of consecutive element offsets: run[(kv * block_size + slot) * d + k] elements from k on lie one after the
+  // other, so a tail entry is copied run by run (one memcpy per entry in a slot-major block, one per vector of a
+  // dimension-major one) instead of element by element
+  const auto runs_of = [&](const int64_t* offsets) {
+    std::vector<int64_t> run(key_offsets.numel());
+    for (int64_t slot = 0; slot < kv_heads * block_size; ++slot) {
+      const int64_t* o = offsets + slot * d;
+      int64_t* r = run.data() + slot * d;
+      r[d - 1] = 1;
+      for (int64_t k = d - 2; k >= 0; --k) r[k] = o[k + 1] == o[k] + 1 ? r[k + 1] + 1 : 1;
+    }
+    return run;
+  };
+  const std::vector<int64_t> key_runs = runs_of(koff), value_runs = runs_of(voff);
+
   int64_t total = 0;
   for (int64_t s = 0; s < segments; ++s) total += lengths[s] + tails[s / kv_heads];
   std::vector<Item> items;
@@ -534,14 +549,13 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
       char* gv = gk + length * d * esize;
       for (int64_t t = 0; t < length; ++t) {
         const int64_t block = tt[b * tail_table.size(1) + t / block_size];
-        const int64_t* ko = koff + (kv * block_size + t % block_size) * d;
-        const int64_t* vo = voff + (kv * block_size + t % block_size) * d;
+        const int64_t slot = (kv * block_size + t % block_size) * d;  // this entry's offsets and runs
         const char* kb = tk + block * tail_keys.stride(0) * esize;
         const char* vb = tv + block * tail_values.stride(0) * esize;
-        for (int64_t k = 0; k < d; ++k) {
-          std::memcpy(gk + (t * d + k) * esize, kb + ko[k] * esize, esize);
-          std::memcpy(gv + (t * d + k) * esize, vb + vo[k] * esize, esize);
-        }
+        for (int64_t k = 0; k < d; k += key_runs[slot + k])
+          std::memcpy(gk + (t * d + k) * esize, kb + koff[slot + k] * esize, key_runs[slot + k] * esize);
+        for (int64_t k = 0; k < d; k += value_runs[slot + k])
+          std::memcpy(gv + (t * d + k) * esize, vb + voff[slot + k] * esize, value_runs[slot + k] * esize);
       }
       for (int64_t r = 0; r < rows; ++r) last[r] = length - q_len + r % q_len;
       attend(qs, rows, d, gk, d, gv, d, length, last, m, l, acc, space);

@@ -77,6 +77,11 @@ def test_triton_matches_reference(block_size, group, q_len):
     if backend.availability() is not None or "cpu" not in backend.device_types():
         pytest.skip(backend.availability() or "Triton runs on CPU tensors only under its interpreter")
     check("triton", 3, group, q_len, 64, block_size, torch.float32)
+    # the grid sized from the caller's host-side bound, not read back from the device
+    inputs = layout(3, group, q_len, 64, block_size, torch.float32)
+    longest = int((inputs["seg_len"].view(3, 2).max(dim=1).values + inputs["tail_len"]).max())
+    bounded = paged_ragged_attention(**inputs, backend="triton", max_len=longest)
+    torch.testing.assert_close(bounded, paged_ragged_attention(**inputs, backend="triton"), rtol=0, atol=1e-5)
 
 
 def test_the_reference_is_ragged_attention_over_the_gathered_entries():
@@ -111,6 +116,35 @@ def test_packed_segments_and_split_offsets():
     assert start.tolist() == [0, 3, 3, 0, 1, 2] and length.tolist() == [3, 0, 5, 1, 1, 1]
     offsets = split_offsets(num_kv_heads=2, block_size=4, head_dim=3)  # [block, slot, head, dim]
     assert offsets[1, 2].tolist() == [2 * 2 * 3 + 1 * 3 + k for k in range(3)]
+
+
+@pytest.mark.parametrize("vector", [1, 4, 8, 80], ids=lambda x: f"vector{x}")
+def test_cpu_backends_read_tails_stored_in_vectors(vector):
+    """Tail keys stored in vectors of ``vector`` elements (``[d / x, slot, x]`` inside a head's block: vLLM's CPU
+    layouts), values slot-major: the C++ kernel copies a tail entry run by run, runs of 1, x or d elements."""
+    inputs = layout(3, 4, 6, 80, 16, torch.float32)
+    bs, d = 16, 80
+    heads = torch.arange(2)[:, None, None] * bs * 2 * d
+    slots, dims = torch.arange(bs)[None, :, None], torch.arange(d)[None, None, :]
+    inputs["key_offsets"] = heads + (dims // vector) * bs * vector + slots * vector + dims % vector
+    ref = paged_ragged_attention_ref(**inputs).double()
+    for backend in CPU_BACKENDS:
+        out = paged_ragged_attention(**inputs, backend=backend)
+        assert not torch.isnan(out).any(), backend
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+
+
+def test_a_host_bound_of_the_longest_segment_is_checked_and_changes_nothing():
+    """``max_len`` (the engine's host-side bound, which spares the Triton backend a device read per call) gives the
+    same output where it is the longest segment plus tail, and is refused shorter."""
+    inputs = layout(3, 4, 1, 64, 8, torch.float32)
+    rows = inputs["seg_len"].view(3, 2).max(dim=1).values + inputs["tail_len"]
+    longest = int(rows.max())
+    for backend in CPU_BACKENDS:
+        expected = paged_ragged_attention(**inputs, backend=backend)
+        torch.testing.assert_close(paged_ragged_attention(**inputs, backend=backend, max_len=longest), expected)
+    with pytest.raises(ValueError, match=f"max_len={longest - 1} is shorter than the longest segment and tail"):
+        paged_ragged_attention(**inputs, backend="torch", max_len=longest - 1)
 
 
 def test_bad_inputs_are_refused_with_their_name():

@@ -82,6 +82,7 @@ def paged_ragged_attention(
     value_offsets: torch.Tensor,
     scale: float,
     backend: str = "auto",
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """
     Attention of ``q`` new tokens over head-wise entries kept in a paged cache (module docstring).
@@ -111,6 +112,11 @@ def paged_ragged_attention(
         Softmax scale.
     backend : str
         ``"auto"`` or a name from ``PAGED_RAGGED_ATTENTION.available()``.
+    max_len : int, optional
+        The longest ``seg_len + tail_len`` of a segment, where the caller knows it on the host (a serving engine
+        does, once per step): it sizes the ``triton`` backend's grid without reading ``seg_len`` and ``tail_len``
+        back from the device, a host synchronisation per call. Checked against them where that costs no
+        synchronisation (CPU tensors); ``None``: read from them.
 
     Returns
     -------
@@ -120,8 +126,14 @@ def paged_ragged_attention(
     args = (query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
             tail_len, key_offsets, value_offsets)  # fmt: skip
     _check_inputs(*args)
+    if max_len is not None and seg_len.device.type == "cpu" and tail_len.device.type == "cpu":
+        longest = (
+            int((seg_len.view(-1, key_offsets.shape[0]).max(dim=1).values + tail_len).max()) if seg_len.numel() else 0
+        )
+        if max_len < longest:
+            raise ValueError(f"max_len={max_len} is shorter than the longest segment and tail ({longest})")
     name = PAGED_RAGGED_ATTENTION.resolve(backend, query.device, query)
-    return PAGED_RAGGED_ATTENTION[name].fn(*args, float(scale))
+    return PAGED_RAGGED_ATTENTION[name].fn(*args, float(scale), max_len)
 
 
 def paged_ragged_attention_cpp(*args):

@@ -12,9 +12,10 @@ from kvpress_critical.ops.extension import extension_state
 
 def paged_ragged_attention_cpp(
     query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
-    tail_len, key_offsets, value_offsets, scale,
+    tail_len, key_offsets, value_offsets, scale, max_len=None,
 ) -> torch.Tensor:  # fmt: skip
-    """See :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention`."""
+    """See :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention` (``max_len``: unused, the grid
+    of the ``triton`` backend only)."""
     reason = extension_state().reason
     if reason is not None:
         raise RuntimeError(reason)

@@ -14,9 +14,10 @@ from kvpress_critical.ops.ragged_attention.torch_backend import _part, merge_par
 
 def paged_ragged_attention_torch(
     query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
-    tail_len, key_offsets, value_offsets, scale,
+    tail_len, key_offsets, value_offsets, scale, max_len=None,
 ) -> torch.Tensor:  # fmt: skip
-    """See :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention`."""
+    """See :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention` (``max_len``: unused, the grid
+    of the ``triton`` backend only)."""
     bsz, heads, q_len, head_dim = query.shape
     num_kv_heads = key_offsets.shape[0]
     group = heads // num_kv_heads

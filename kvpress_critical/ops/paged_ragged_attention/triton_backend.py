@@ -22,7 +22,7 @@ def paged_constants(query_dtype: torch.dtype, cache_dtype: torch.dtype, rows: in
 
 def paged_ragged_attention_triton(
     query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
-    tail_len, key_offsets, value_offsets, scale,
+    tail_len, key_offsets, value_offsets, scale, max_len=None,
 ) -> torch.Tensor:  # fmt: skip
     """See :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention`."""
     bsz, heads, q_len, head_dim = query.shape
@@ -37,7 +37,8 @@ def paged_ragged_attention_triton(
     key_offsets = key_offsets.to(device=device, dtype=torch.int64).contiguous()
     value_offsets = value_offsets.to(device=device, dtype=torch.int64).contiguous()
     region_table, tail_table = region_table.to(device), tail_table.to(device)
-    longest = int(seg_len.max()) + int(tail_len.max())
+    # the grid's length: the caller's host-side bound, or read back from the device (a synchronisation)
+    longest = max_len if max_len is not None else int(seg_len.max()) + int(tail_len.max())
     constants, warps, stages = paged_constants(query.dtype, region_keys.dtype, rows, head_dim)
     block_m, block_n = constants["BLOCK_M"], constants["BLOCK_N"]
     target_programs = 4 * (
