@@ -65,12 +65,12 @@ def workload(ids: list[int], args, seed: int = 0) -> list[tuple[list[int], int]]
 
 
 def request_options(press: tuple | None) -> dict | None:
-    """The plugin's per-request options of a configuration ``(name, ratio, chunk_size, interval, target, window)``
-    (``window`` 0: the press's default observation window)."""
+    """The plugin's per-request options of a configuration ``(name, ratio, compression_chunk_size, interval, target,
+    window)`` (``window`` 0: the press's default observation window)."""
     if press is None:
         return None
     name, ratio, chunk, interval, target, window = press
-    options = {"press": name, "compression_ratio": ratio, "chunk_size": chunk}
+    options = {"press": name, "compression_ratio": ratio, "compression_chunk_size": chunk}
     if interval:
         options.update(compression_interval=interval, target_size=target)
     if window:
@@ -92,8 +92,8 @@ def lone_ttft(llm, prompt: list[int], press: tuple | None, tag: str) -> float:
 
 def run(llm, requests, press: tuple | None, tag: str, lone: list[int] | None = None) -> dict:
     """Submit every request at once, step until all are done; what the scheduler and the clock saw. ``press``:
-    ``(name, ratio, chunk_size, compression_interval, target_size)`` of the plugin's requests (None: stock vLLM).
-    ``lone``: a prompt whose time to first token alone is measured after them."""
+    ``(name, ratio, compression_chunk_size, compression_interval, target_size)`` of the plugin's requests (None: stock
+    vLLM). ``lone``: a prompt whose time to first token alone is measured after them."""
     from vllm import SamplingParams
 
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
@@ -155,7 +155,7 @@ def summarise(measured: dict, configs: list) -> tuple[list[dict], list[list]]:
             "config": name,
             "press": press[0] if press else "",
             "ratio": ratio or 0.0,
-            "chunk_size": press[2] if press else 0,
+            "compression_chunk_size": press[2] if press else 0,
             "compression_interval": press[3] if press else 0,
             "target_size": press[4] if press else 0,
             "window_size": press[5] if press else 0,
@@ -212,7 +212,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=os.environ.get("KVPRESS_CRITICAL_VLLM_MODEL"), help="a folder vLLM loads")
     parser.add_argument("--presses", default="critical_snapkv,critical_adakv_snapkv", help="comma-separated")
     parser.add_argument("--ratios", default="0.5,0.75")
-    parser.add_argument("--chunk-sizes", default="0", help="comma-separated chunk_size values; 0: after the prompt")
+    parser.add_argument(
+        "--chunk-sizes", default="0", help="comma-separated compression_chunk_size values; 0: after the prompt"
+    )
     parser.add_argument("--compression-interval", type=int, default=0, help="with --target-size: decoding rows too")
     parser.add_argument("--target-size", type=int, default=0, help="entries per head kept while decoding")
     parser.add_argument(
@@ -273,7 +275,7 @@ def main(argv=None) -> int:
         for press in presses
         for c in chunks
         for i, t in decoding
-        if not ((c or i) and "adakv" in press)  # head-wise presses refuse chunk_size and decoding
+        if not ((c or i) and "adakv" in press)  # head-wise presses refuse compression_chunk_size and decoding
         and (r or i)  # ratio 0 without decoding compresses nothing
     ]
     measured = {name: [] for name, _, _ in configs}

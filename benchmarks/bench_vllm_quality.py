@@ -73,11 +73,13 @@ def configurations(presses: list[str], ratios: list[float], chunk: int, interval
                 continue
             schedules = []
             if chunk:
-                schedules.append((f"{press} chunk {chunk}", {"chunk_size": chunk}))
+                schedules.append((f"{press} chunk {chunk}", {"compression_chunk_size": chunk}))
             if decode:
                 schedules.append((f"{press} decode {interval}/{target}", dict(decode)))
             if chunk and decode:
-                schedules.append((f"{press} chunk {chunk} decode {interval}/{target}", {"chunk_size": chunk, **decode}))
+                schedules.append(
+                    (f"{press} chunk {chunk} decode {interval}/{target}", {"compression_chunk_size": chunk, **decode})
+                )
             configs += [(label, press, ratio, {"press": press, **extra}, press) for label, extra in schedules]
     return configs
 
@@ -167,7 +169,8 @@ def main(argv=None) -> int:
     rows, table = [], []
     for label, press, ratio, options, baseline in configs:
         agree, correct = scores[(label, ratio)]
-        row = {"configuration": label, "press": press, "ratio": ratio, "chunk_size": options.get("chunk_size", 0),
+        row = {"configuration": label, "press": press, "ratio": ratio,
+               "compression_chunk_size": options.get("compression_chunk_size", 0),
                "compression_interval": options.get("compression_interval", 0),
                "target_size": options.get("target_size", 0), "token_agreement": float(agree.mean()),
                "right": float(correct.mean())}  # fmt: skip

@@ -109,7 +109,7 @@ def make_requests(args, words: list[str]) -> list[dict]:
         if seeds.random() < 0.25:  # a client's seed, its prompt prefilled in several steps when long and uniform
             body["seed"], body["temperature"] = seeds.randrange(2**31), 0.8
             if kind == "long" and "adakv" not in body["vllm_xargs"]["kvpress_critical.press"]:
-                body["vllm_xargs"]["kvpress_critical.chunk_size"] = 128
+                body["vllm_xargs"]["kvpress_critical.compression_chunk_size"] = 128
         disconnect = streaming and rng.random() < 0.3
         requests.append({"index": i, "body": body, "disconnect_after": rng.randint(1, 3) if disconnect else None})
     return requests

@@ -2,9 +2,9 @@
 
 Installed beside vLLM, this package registers a ``vllm.general_plugins`` entry point, inert until an engine is
 started with ``additional_config={"kvpress_critical": {...}}``. Such an engine compresses each request's KV cache
-after its prompt, after every prompt chunk (``chunk_size``) and while decoding (``compression_interval``), with every
-KV head keeping the same number of entries (uniform presses) or a layer's budget shared among its heads (head-wise
-presses), chosen by this project's selection rules (:mod:`kvpress_critical.selection`) and kernels
+after its prompt, after every prompt chunk (``compression_chunk_size``) and while decoding (``compression_interval``),
+with every KV head keeping the same number of entries (uniform presses) or a layer's budget shared among its heads
+(head-wise presses), chosen by this project's selection rules (:mod:`kvpress_critical.selection`) and kernels
 (:mod:`kvpress_critical.ops`); the freed blocks go back to vLLM's pool at once, so the scheduler admits more requests,
 and a ``max_model_len`` longer than the pool is served where the schedules bound what a request holds. Engine options
 the plugin cannot honour refuse at start-up; a request's bad options fail in the caller; a failure while serving ends

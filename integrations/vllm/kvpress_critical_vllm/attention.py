@@ -22,38 +22,10 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from kvpress_critical_vllm.layouts import LearnedBlockLayout, SplitLayout, check_round_trip, split_flash_attn
 from kvpress_critical_vllm.options import engine_options
+from kvpress_critical_vllm.vllm_compat import shifted_view
 from kvpress_critical_vllm.worker_state import PluginStateError, WorkerState
 
 PLAN_ATTRIBUTE = "kvpress_critical_plan"
-
-
-def shifted_view(cm: CommonAttentionMetadata, shift: torch.Tensor, block_size: int) -> CommonAttentionMetadata:
-    """
-    ``cm`` with each row's first ``shift[row]`` positions (whole blocks) out of its attention view.
-
-    ``shift`` is an int tensor over the real rows (padding rows shift by 0).
-    """
-    num_rows = cm.seq_lens.shape[0]
-    shift_rows = torch.zeros(num_rows, dtype=torch.int64)
-    shift_rows[: shift.shape[0]] = shift
-    seq_lens = cm.seq_lens - shift_rows.to(device=cm.seq_lens.device, dtype=cm.seq_lens.dtype)
-    upper = cm.seq_lens_cpu_upper_bound
-    if upper is not None:
-        upper = upper - shift_rows[: upper.shape[0]].to(upper.dtype)
-    table = cm.block_table_tensor
-    columns = torch.arange(table.shape[1], device=table.device)
-    index = (columns[None, :] + (shift_rows // block_size).to(table.device)[:, None]).clamp_(max=table.shape[1] - 1)
-    table = table.gather(1, index[: table.shape[0]])
-    reference = upper if upper is not None else seq_lens.cpu()
-    max_seq_len = int(reference[: shift.shape[0]].max()) if shift.shape[0] else cm.max_seq_len
-    return cm.replace(
-        seq_lens=seq_lens,
-        seq_lens_cpu_upper_bound=upper,
-        block_table_tensor=table,
-        max_seq_len=max_seq_len,
-        _num_computed_tokens_cache=None,
-        _token_to_req_indices_cache=None,
-    )
 
 
 class CompressingBuilderMixin:

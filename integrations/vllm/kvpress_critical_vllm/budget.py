@@ -4,10 +4,11 @@ The scheduler computes this from the prompt length, the request's options and th
 workers with the step that compresses the request (:mod:`kvpress_critical_vllm.protocol`): workers never work out
 an eviction of their own.
 
-Without ``chunk_size`` a request is compacted once, after its prompt (:func:`eviction`). With ``chunk_size`` its
-prompt is prefilled in chunks and compacted after each one (:func:`schedule`): after the chunk that ends at position
-``P``, what it holds (positions ``S .. P-1``: the entries kept so far and the chunk) is compacted to what
-``ChunkedPrefillPress`` keeps for ``P`` tokens seen, ``max(1, int(P * (1 - ratio)))``, rounded up to whole blocks.
+Without ``compression_chunk_size`` a request is compacted once, after its prompt (:func:`eviction`). With
+``compression_chunk_size`` its prompt is prefilled in chunks and compacted after each one (:func:`schedule`): after the
+chunk that ends at position ``P``, what it holds (positions ``S .. P-1``: the entries kept so far and the chunk) is
+compacted to what ``ChunkedPrefillPress`` keeps for ``P`` tokens seen, ``max(1, int(P * (1 - ratio)))``, rounded up to
+whole blocks.
 
 With ``compression_interval`` and ``target_size`` a request is also compacted while decoding (kvpress's
 ``DecodingPress``): after every ``compression_interval`` generated tokens, at ``T = P + k * interval`` tokens seen,
@@ -28,7 +29,7 @@ from kvpress_critical_vllm.options import CompressionOptions, OptionsError
 class Eviction:
     """
     One compaction of a request, after the step whose tokens end at position ``seen`` (the prompt's end, a chunk's end
-    with ``chunk_size``, or the end of a decoding interval: ``phase`` is ``"prompt"`` or ``"decoding"``).
+    with ``compression_chunk_size``, or the end of a decoding interval: ``phase`` is ``"prompt"`` or ``"decoding"``).
 
     Before it, the request holds positions ``start .. seen - 1`` (``start`` positions were evicted by its earlier
     compactions: 0 for the first). ``budget`` is what the transformers press keeps for ``seen`` tokens (kvpress's
@@ -36,7 +37,7 @@ class Eviction:
     number of blocks that leaves at least that, ``evicted = start + floor((N - start - budget) / bs) * bs`` (counted
     from position 0), so every head keeps ``kept = N - evicted`` entries: between ``budget`` and ``budget + bs - 1``.
     ``reason`` says why nothing is evicted when ``evicted`` is ``start``. ``index`` and ``count`` number the request's
-    prompt compactions (1 of 1 without ``chunk_size``), ``index`` alone its decoding ones (``count`` 0).
+    prompt compactions (1 of 1 without ``compression_chunk_size``), ``index`` alone its decoding ones (``count`` 0).
     """
 
     seen: int
@@ -120,11 +121,11 @@ def decoding_eviction(options: CompressionOptions, seen: int, block_size: int, s
 
 def chunk_ends(options: CompressionOptions, n_prompt: int) -> list[int]:
     """
-    Where a prompt's chunks end (``ChunkedPrefillPress.chunk_bounds``): every ``chunk_size`` tokens, the last chunk
-    merged into the one before when it is not longer than SnapKV's window (it could not fill it); ``[n_prompt]``
-    without ``chunk_size``.
+    Where a prompt's chunks end (``ChunkedPrefillPress.chunk_bounds``): every ``compression_chunk_size`` tokens, the
+    last chunk merged into the one before when it is not longer than SnapKV's window (it could not fill it);
+    ``[n_prompt]`` without ``compression_chunk_size``.
     """
-    size = options.chunk_size
+    size = options.compression_chunk_size
     if not size or size >= n_prompt:
         return [n_prompt]
     window = options.window_size if options.needs_queries else 0
@@ -138,10 +139,10 @@ def schedule(options: CompressionOptions, n_prompt: int, block_size: int) -> tup
     """
     A request's compactions, in order, and why it has none (``""`` when it has some).
 
-    Without ``chunk_size``: the one :func:`eviction` after the prompt. With it: one after every chunk that frees at
-    least one whole block (a chunk that frees none is not compacted; the next one scores what it left). In the end a
-    request has evicted exactly as many positions as one compaction of the whole prompt evicts (the rounding of every
-    earlier chunk is absorbed), so chunking changes which entries are kept, never how many.
+    Without ``compression_chunk_size``: the one :func:`eviction` after the prompt. With it: one after every chunk that
+    frees at least one whole block (a chunk that frees none is not compacted; the next one scores what it left). In the
+    end a request has evicted exactly as many positions as one compaction of the whole prompt evicts (the rounding of
+    every earlier chunk is absorbed), so chunking changes which entries are kept, never how many.
     """
     ends = chunk_ends(options, n_prompt)
     if len(ends) == 1:
@@ -225,9 +226,9 @@ class Schedule:
 
 def next_step_blocks(options: CompressionOptions, block_size: int) -> int:
     """Blocks of a request's next step allocated (with async scheduling) before the blocks a compaction frees are
-    back: its next chunk (``chunk_size``, the last one up to SnapKV's window longer; at least one token) and one block
-    of rounding."""
-    chunk = options.chunk_size + (options.window_size if options.needs_queries else 0)
+    back: its next chunk (``compression_chunk_size``, the last one up to SnapKV's window longer; at least one token) and
+    one block of rounding."""
+    chunk = options.compression_chunk_size + (options.window_size if options.needs_queries else 0)
     return blocks_for(chunk or 1, block_size) + 1
 
 
@@ -239,19 +240,19 @@ def hold_bound(options: CompressionOptions, max_len: int, block_size: int) -> in
     Only a request compacted after every prompt chunk *and* while decoding is bounded. What it holds is counted from
     a block boundary (compactions evict whole blocks), with at most one block of rounding over a budget:
 
-    - while a chunk of ``c`` tokens runs (``chunk_size``, the last one up to SnapKV's window longer), the entries
-      kept for the ``P - c`` tokens before it and the chunk: at most ``b(max_len - c) + bs - 1 + c``, where ``b(N) =
-      max(1, int(N * (1 - ratio)))`` is ``ChunkedPrefillPress``'s budget;
+    - while a chunk of ``c`` tokens runs (``compression_chunk_size``, the last one up to SnapKV's window longer), the
+      entries kept for the ``P - c`` tokens before it and the chunk: at most ``b(max_len - c) + bs - 1 + c``, where
+      ``b(N) = max(1, int(N * (1 - ratio)))`` is ``ChunkedPrefillPress``'s budget;
     - while decoding, what the prompt's or the last decoding compaction kept and one ``compression_interval`` of new
       tokens: at most ``max(b(max_len - interval), target_size) + bs - 1 + interval``;
 
     plus ``ceil(c / bs) + 1`` blocks for the next step's allocation, made (with async scheduling) before the blocks a
     compaction frees are back.
     """
-    if not (options.compression_ratio > 0 and options.chunk_size and options.decoding):
+    if not (options.compression_ratio > 0 and options.compression_chunk_size and options.decoding):
         return None
     ratio, interval = options.compression_ratio, options.compression_interval
-    chunk = options.chunk_size + (options.window_size if options.needs_queries else 0)
+    chunk = options.compression_chunk_size + (options.window_size if options.needs_queries else 0)
 
     def blocks(entries: int) -> int:  # entries kept after a compaction, with at most one block of rounding
         return blocks_for(entries + block_size - 1, block_size)
@@ -275,16 +276,22 @@ def check_hold(options: CompressionOptions, max_len: int, block_size: int, pool_
     if bound is not None and bound <= pool_blocks:
         return
     if options.compression_ratio <= 0:
-        option, fix = "compression_ratio", "a compression_ratio above 0 (with chunk_size and compression_interval)"
-    elif not options.chunk_size:
-        option, fix = "chunk_size", "chunk_size (the prompt is otherwise held whole until its prefill ends)"
+        option, fix = (
+            "compression_ratio",
+            "a compression_ratio above 0 (with compression_chunk_size and compression_interval)",
+        )
+    elif not options.compression_chunk_size:
+        option, fix = (
+            "compression_chunk_size",
+            "compression_chunk_size (the prompt is otherwise held whole until its prefill ends)",
+        )
     elif not options.decoding:
         option = "compression_interval"
         fix = "compression_interval and target_size (generated tokens are otherwise kept)"
     else:
         sizes = {  # what each option adds to the bound, in entries per head
             "compression_ratio": compute_n_kept(max_len, options.compression_ratio),
-            "chunk_size": options.chunk_size,
+            "compression_chunk_size": options.compression_chunk_size,
             "compression_interval": options.compression_interval,
             "target_size": options.target_size,
         }

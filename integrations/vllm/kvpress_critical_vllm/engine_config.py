@@ -53,7 +53,7 @@ def check_backend_devices(options: CompressionOptions, device_type: str) -> None
 
     for option, op, registry in (
         ("backend", "the projected norm", PROJECTED_VALUE_NORM),
-        ("attention_backend", "the head-wise attention", PAGED_RAGGED_ATTENTION),
+        ("head_wise_kernel", "the head-wise attention", PAGED_RAGGED_ATTENTION),
     ):
         name = getattr(options, option)
         if name == "auto" or device_type in registry[name].device_types():

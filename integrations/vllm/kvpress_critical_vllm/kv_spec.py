@@ -2,9 +2,9 @@
 
 vLLM refuses to start when one request of ``max_model_len`` tokens does not fit in the KV pool, reading each layer's
 :meth:`~vllm.v1.kv_cache_interface.KVCacheSpec.max_memory_usage_bytes`. A request compacted after every prompt chunk
-and while decoding (engine-wide ``chunk_size``, ``compression_interval`` and ``target_size``) never holds more than
-:func:`kvpress_critical_vllm.budget.hold_bound` blocks, whatever its length: the workers declare that bound on their
-full-attention layers' specs (:class:`CompressedFullAttentionSpec`), so that the engine starts with a
+and while decoding (engine-wide ``compression_chunk_size``, ``compression_interval`` and ``target_size``) never holds
+more than :func:`kvpress_critical_vllm.budget.hold_bound` blocks, whatever its length: the workers declare that bound on
+their full-attention layers' specs (:class:`CompressedFullAttentionSpec`), so that the engine starts with a
 ``max_model_len`` longer than the pool and reports the concurrency the bound gives. Nothing else about the layers
 changes: vLLM's registry finds the full-attention manager through the subclass, block tables keep
 ``max_model_len`` positions (the evicted ones point at the null block).

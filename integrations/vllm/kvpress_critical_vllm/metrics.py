@@ -40,7 +40,8 @@ COUNTERS = {
     "prompt_tokens_compressed": "Prompt tokens of the compressed requests.",
     "entries_kept": "KV entries the compressed requests kept, over all layers and KV heads.",
     "blocks_freed": "KV blocks the plugin returned to vLLM's pool.",
-    "compactions": "Compactions of a request's KV cache (one per request, or one per prompt chunk with chunk_size).",
+    "compactions": "Compactions of a request's KV cache (one per request, or one per prompt chunk with "
+    "compression_chunk_size).",
     "decoding_compactions": "Compactions while decoding (compression_interval), among compactions.",
     "requests_failed": "Requests the plugin ended with an error (a compaction broken midway, or, with a max_model_len "
     "longer than the pool, a request held whole that cannot fit it).",

@@ -99,11 +99,14 @@ REQUEST_OPTIONS = (
     "norm",
     "n_sink",
     "alpha_safeguard",
-    "chunk_size",
+    "compression_chunk_size",
     "compression_interval",
     "target_size",
 )
-ENGINE_ONLY = ("backend", "attention_backend", "record_selections", "max_window_size", "max_kernel_size")
+# options renamed so that they cannot be mistaken for vLLM's own (chunked prefill, --attention-backend): the old name
+# is refused with the new one in the message, never read silently
+RENAMED = {"chunk_size": "compression_chunk_size", "attention_backend": "head_wise_kernel"}
+ENGINE_ONLY = ("backend", "head_wise_kernel", "record_selections", "max_window_size", "max_kernel_size")
 ATTENTION_BACKENDS = ("auto", "torch", "cpp", "triton")
 
 # the largest bounds an engine may set: SnapKV's window is scored as a (heads, window, prompt) float32 softmax
@@ -149,11 +152,11 @@ class CompressionOptions:
         StreamingLLM's sink tokens.
     alpha_safeguard : float
         AdaKV's safeguard: every head first keeps its top ``alpha_safeguard * n_kept`` entries, in ``[0, 1]``.
-    chunk_size : int
+    compression_chunk_size : int
         0 (the default): compress once, after the whole prompt. Otherwise prefill the prompt in chunks of
-        ``chunk_size`` tokens and compress after each one, to what ``ChunkedPrefillPress`` keeps for the tokens seen
-        so far (rounded up to whole blocks), so that a request never holds more than its budget, one chunk and a
-        block per KV head; must exceed ``window_size`` for SnapKV-based presses; uniform presses only.
+        ``compression_chunk_size`` tokens and compress after each one, to what ``ChunkedPrefillPress`` keeps for the
+        tokens seen so far (rounded up to whole blocks), so that a request never holds more than its budget, one chunk
+        and a block per KV head; must exceed ``window_size`` for SnapKV-based presses; uniform presses only.
     compression_interval, target_size : int
         Compression while decoding (kvpress's ``DecodingPress``): every ``compression_interval`` generated tokens,
         each KV head goes back to ``target_size`` entries (rounded up to whole blocks), scored with the last
@@ -163,7 +166,7 @@ class CompressionOptions:
     backend : str
         Engine-wide only: backend of :func:`kvpress_critical.projected_value_norm` (``auto``, ``torch``, ``cpp``,
         ``cuda``, ``triton``), checked on the engine's device at start-up.
-    attention_backend : str
+    head_wise_kernel : str
         Engine-wide only: backend of :func:`kvpress_critical.paged_ragged_attention`, the head-wise rows' attention
         (``auto``: ``cpp`` on CPUs, ``triton`` on GPUs; ``torch``), checked on the engine's device at start-up.
     record_selections : bool
@@ -182,11 +185,11 @@ class CompressionOptions:
     norm: str = "l1"
     n_sink: int = 4
     alpha_safeguard: float = 0.20
-    chunk_size: int = 0
+    compression_chunk_size: int = 0
     compression_interval: int = 0
     target_size: int = 0
     backend: str = "auto"
-    attention_backend: str = "auto"
+    head_wise_kernel: str = "auto"
     record_selections: bool = False
     max_window_size: int = 256
     max_kernel_size: int = 31
@@ -306,8 +309,10 @@ def check_options(
         raise fail("epsilon", "a number in [0, 1]")
     if not _is_number(options.alpha_safeguard) or not 0 <= options.alpha_safeguard <= 1:
         raise fail("alpha_safeguard", "a number in [0, 1]")
-    if not _is_integer(options.chunk_size) or not 0 <= options.chunk_size <= CHUNK_LIMIT:
-        raise fail("chunk_size", f"an integer in [0, {CHUNK_LIMIT}] (0: compress once, after the whole prompt)")
+    if not _is_integer(options.compression_chunk_size) or not 0 <= options.compression_chunk_size <= CHUNK_LIMIT:
+        raise fail(
+            "compression_chunk_size", f"an integer in [0, {CHUNK_LIMIT}] (0: compress once, after the whole prompt)"
+        )
     for name in ("compression_interval", "target_size"):
         if not _is_integer(getattr(options, name)) or not 0 <= getattr(options, name) <= CHUNK_LIMIT:
             raise fail(name, f"an integer in [0, {CHUNK_LIMIT}] (0 with the other: no compression while decoding)")
@@ -315,8 +320,8 @@ def check_options(
         raise fail("norm", "'l1' or 'l2'")
     if options.backend not in BACKENDS:
         raise fail("backend", f"one of {', '.join(BACKENDS)}")
-    if options.attention_backend not in ATTENTION_BACKENDS:
-        raise fail("attention_backend", f"one of {', '.join(ATTENTION_BACKENDS)}")
+    if options.head_wise_kernel not in ATTENTION_BACKENDS:
+        raise fail("head_wise_kernel", f"one of {', '.join(ATTENTION_BACKENDS)}")
     if not isinstance(options.record_selections, bool):
         raise fail("record_selections", "true or false")
     if relations:
@@ -329,17 +334,21 @@ def check_relations(options: CompressionOptions, where: str) -> None:
     def fail(name: str, allowed: str) -> OptionsError:
         return OptionsError(f"{where}: {name}={_shown(getattr(options, name))} is not allowed: {allowed}", option=name)
 
-    if options.chunk_size and options.needs_queries and options.chunk_size <= options.window_size:
+    if (
+        options.compression_chunk_size
+        and options.needs_queries
+        and options.compression_chunk_size <= options.window_size
+    ):
         raise fail(
-            "chunk_size",
+            "compression_chunk_size",
             f"more than window_size={options.window_size} (each chunk's last tokens are SnapKV's observation window)",
         )
-    if options.head_wise and options.chunk_size:
+    if options.head_wise and options.compression_chunk_size:
         raise OptionsError(
-            f"{where}: press={options.press!r} with chunk_size={options.chunk_size} is not supported: the head-wise "
-            "layout packs a request's kept entries once, after its whole prompt. Use a uniform press (critical_snapkv, "
-            "snapkv...) with chunk_size, or chunk_size=0",
-            option="chunk_size",
+            f"{where}: press={options.press!r} with compression_chunk_size={options.compression_chunk_size} is not "
+            "supported: the head-wise layout packs a request's kept entries once, after its whole prompt. Use a "
+            "uniform press (critical_snapkv, snapkv...) with compression_chunk_size, or compression_chunk_size=0",
+            option="compression_chunk_size",
         )
     if bool(options.compression_interval) != bool(options.target_size):
         missing = "target_size" if options.compression_interval else "compression_interval"
@@ -398,6 +407,13 @@ def _unknown(values: dict, allowed, where: str) -> None:
     unknown = sorted(_cut(str(name)) for name in set(values) - set(allowed))
     if not unknown:
         return
+    renamed = [name for name in unknown if name in RENAMED]
+    if renamed:
+        raise OptionsError(
+            f"{where}: {', '.join(f'{name} is now {RENAMED[name]}' for name in renamed)} (not to be mistaken for "
+            f"vLLM's own chunked prefill or attention backend): pass {', '.join(RENAMED[name] for name in renamed)}",
+            option=renamed[0],
+        )
     engine_only = [name for name in unknown if name in ENGINE_ONLY]
     if engine_only and len(engine_only) == len(unknown):
         raise OptionsError(

@@ -1,9 +1,9 @@
 """The scheduler side: decide which requests are compressed, direct the workers, free blocks the workers confirm.
 
 For each request, from its options and prompt length (:func:`kvpress_critical_vllm.budget.schedule`): either its
-compactions (one after the prompt, or one after every ``chunk_size``-token chunk of it), each evicting whole blocks,
-or a reason to leave it uncompressed, said once in vLLM's log. The scheduler ends a step's tokens of the request at
-each compaction's position ``P`` (vLLM's chunked prefill never runs past it), and with the step that reaches ``P``
+compactions (one after the prompt, or one after every ``compression_chunk_size``-token chunk of it), each evicting whole
+blocks, or a reason to leave it uncompressed, said once in vLLM's log. The scheduler ends a step's tokens of the request
+at each compaction's position ``P`` (vLLM's chunked prefill never runs past it), and with the step that reaches ``P``
 sends the workers a compaction directive (:mod:`kvpress_critical_vllm.protocol`); the workers move every KV head's
 kept entries into the slots of positions ``E .. P-1`` and report back. Only then are the blocks of positions
 ``S .. E-1`` freed (``S`` what earlier compactions freed; replaced by the null block in the request's block table, as
@@ -57,7 +57,8 @@ class CompressionRecord:
     blocks_before: int  # blocks it held before the latest one
     preemptions: int
     compaction: int = 1  # the latest compaction of the request ...
-    compactions: int = 1  # ... of this many (one per prompt chunk with chunk_size); 0 while decoding (open-ended)
+    # ... of this many (one per prompt chunk with compression_chunk_size); 0 while decoding (open-ended)
+    compactions: int = 1
     phase: str = "prompt"  # of the latest compaction: "prompt" or "decoding"
 
 
@@ -125,8 +126,8 @@ class CompressingSchedulerMixin:
         self._kvpress_reserve_full_isl = self.scheduler_reserve_full_isl  # vLLM's admission of whole sequences
         logger.info(
             "kvpress_critical: blocks of %d tokens: a compressed request keeps up to %d entries per KV head over its "
-            "budget, and a prompt that would evict less than one block stays uncompressed; a request with chunk_size "
-            "is admitted when the blocks it holds at most are free, not its whole prompt's",
+            "budget, and a prompt that would evict less than one block stays uncompressed; a request with "
+            "compression_chunk_size is admitted when the blocks it holds at most are free, not its whole prompt's",
             self.kvpress_block_size,
             self.kvpress_block_size - 1,
         )
@@ -138,11 +139,11 @@ class CompressingSchedulerMixin:
         if bound is not None:
             options, max_model_len = self.kvpress_options, self.vllm_config.model_config.max_model_len
             logger.info(
-                "kvpress_critical: a request holds at most %d blocks (chunk_size %d, compression_interval %d, "
-                "target_size %d at compression_ratio %g), not the %d of a whole %d-token request: vLLM's start-up "
+                "kvpress_critical: a request holds at most %d blocks (compression_chunk_size %d, compression_interval "
+                "%d, target_size %d at compression_ratio %g), not the %d of a whole %d-token request: vLLM's start-up "
                 "check and concurrency figures read that bound, and a request whose own options could hold more than "
                 "the pool's %d blocks is refused",
-                bound, options.chunk_size, options.compression_interval, options.target_size,
+                bound, options.compression_chunk_size, options.compression_interval, options.target_size,
                 options.compression_ratio, blocks_for(max_model_len, spec.block_size), max_model_len,
                 self.kv_cache_config.num_blocks - 1,
             )  # fmt: skip
@@ -263,9 +264,9 @@ class CompressingSchedulerMixin:
             num_new_tokens = self._admit(request, tracked, num_new_tokens)
         stop = tracked.next_end(num_computed_tokens, request.num_tokens) if tracked is not None else None
         if stop is not None and stop < num_computed_tokens + num_new_tokens:
-            # the step stops where the next compaction is (after a prompt chunk with chunk_size; a resumed request,
-            # which recomputes prompt + output, after its prompt and each decoding compaction, to attend over the
-            # compressed cache for the outputs as it did before it was preempted)
+            # the step stops where the next compaction is (after a prompt chunk with compression_chunk_size; a resumed
+            # request, which recomputes prompt + output, after its prompt and each decoding compaction, to attend over
+            # the compressed cache for the outputs as it did before it was preempted)
             num_new_tokens = stop - num_computed_tokens
         return num_new_tokens
 
@@ -279,7 +280,7 @@ class CompressingSchedulerMixin:
         allocated before a compaction's blocks are back), and vLLM's whole-sequence check is skipped for it alone
         (the flag is read by the allocation that follows this call).
         """
-        bounded = tracked is not None and (tracked.options.chunk_size > 0 or tracked.options.decoding)
+        bounded = tracked is not None and (tracked.options.compression_chunk_size > 0 or tracked.options.decoding)
         self.scheduler_reserve_full_isl = self._kvpress_reserve_full_isl and not bounded
         if not bounded or not self._kvpress_reserve_full_isl:
             return num_new_tokens

@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable
 
+import torch
+
 # (module, qualified name, what the plugin needs of it): "class" (imported or subclassed), "method(param, ...)" (the
 # parameters the plugin passes or overrides, by name), "attribute" (read or written on instances: checked in the
 # class's source, since instance attributes are set in __init__)
@@ -85,14 +87,21 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.worker.gpu_input_batch", "InputBatch.generators", "attribute"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch.num_computed_tokens_cpu", "attribute"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch.req_ids", "attribute"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch.num_reqs", "attribute"),
     ("vllm.v1.outputs", "ModelRunnerOutput", "class"),
     ("vllm.v1.outputs", "ModelRunnerOutput.sampled_token_ids", "attribute"),
     ("vllm.v1.outputs", "ModelRunnerOutput.req_id_to_index", "attribute"),
     ("vllm.v1.outputs", "AsyncModelRunnerOutput", "class"),
     ("vllm.v1.outputs", "EMPTY_MODEL_RUNNER_OUTPUT", "object"),
     ("vllm.v1.attention.backend", "CommonAttentionMetadata", "class"),
-    ("vllm.v1.attention.backend", "CommonAttentionMetadata.block_table_tensor", "attribute"),
-    ("vllm.v1.attention.backend", "CommonAttentionMetadata.query_start_loc_cpu", "attribute"),
+    *(
+        ("vllm.v1.attention.backend", f"CommonAttentionMetadata.{name}", "attribute")
+        for name in (
+            "block_table_tensor query_start_loc_cpu seq_lens seq_lens_cpu_upper_bound max_seq_len num_reqs "
+            "_num_computed_tokens_cache _token_to_req_indices_cache"
+        ).split()
+    ),
+    ("vllm.v1.attention.backend", "CommonAttentionMetadata.replace", "method()"),
     ("vllm.v1.attention.backends.registry", "AttentionBackendEnum", "class"),
     ("vllm.v1.attention.backends.registry", "register_backend", "function"),
     ("vllm.v1.attention.selector", "_cached_get_attn_backend", "function"),
@@ -152,6 +161,61 @@ def discard_sampled_tokens(model_runner_output, request_ids: Iterable[str]) -> N
 
 
 # ------------------------------------------------------------------------------------------------- worker side
+def requests_starting_over(scheduler_output) -> set[str]:
+    """The requests a worker forgets at this step: finished, new, or resumed after a preemption (which run their
+    prompt again)."""
+    gone = set(scheduler_output.finished_req_ids)
+    gone.update(request.req_id for request in scheduler_output.scheduled_new_reqs)
+    gone.update(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
+    return gone
+
+
+def batch_rows(runner, num_reqs: int) -> tuple[list[str], list[int]]:
+    """The request id and the computed tokens of each of the first ``num_reqs`` rows of the runner's batch."""
+    batch = runner.input_batch
+    return list(batch.req_ids[:num_reqs]), batch.num_computed_tokens_cpu[:num_reqs].tolist()
+
+
+def query_starts(cm, num_reqs: int) -> list[int]:
+    """Where each row's tokens start in the step's queries (and where the last one ends): ``num_reqs + 1`` offsets."""
+    return cm.query_start_loc_cpu[: num_reqs + 1].tolist()
+
+
+def block_table(cm) -> torch.Tensor:
+    """The step's block table (device, one row per request of the batch)."""
+    return cm.block_table_tensor
+
+
+def shifted_view(cm, shift: torch.Tensor, block_size: int):
+    """
+    ``cm`` (vLLM's ``CommonAttentionMetadata``) with each row's first ``shift[row]`` positions (whole blocks) out of
+    its attention view: ``seq_len - shift`` and its block-table row shifted by ``shift / block_size`` (positions,
+    RoPE and the slot mapping of new tokens untouched). ``shift`` is an int tensor over the real rows (padding rows
+    shift by 0).
+    """
+    num_rows = cm.seq_lens.shape[0]
+    shift_rows = torch.zeros(num_rows, dtype=torch.int64)
+    shift_rows[: shift.shape[0]] = shift
+    seq_lens = cm.seq_lens - shift_rows.to(device=cm.seq_lens.device, dtype=cm.seq_lens.dtype)
+    upper = cm.seq_lens_cpu_upper_bound
+    if upper is not None:
+        upper = upper - shift_rows[: upper.shape[0]].to(upper.dtype)
+    table = cm.block_table_tensor
+    columns = torch.arange(table.shape[1], device=table.device)
+    index = (columns[None, :] + (shift_rows // block_size).to(table.device)[:, None]).clamp_(max=table.shape[1] - 1)
+    table = table.gather(1, index[: table.shape[0]])
+    reference = upper if upper is not None else seq_lens.cpu()
+    max_seq_len = int(reference[: shift.shape[0]].max()) if shift.shape[0] else cm.max_seq_len
+    return cm.replace(
+        seq_lens=seq_lens,
+        seq_lens_cpu_upper_bound=upper,
+        block_table_tensor=table,
+        max_seq_len=max_seq_len,
+        _num_computed_tokens_cache=None,
+        _token_to_req_indices_cache=None,
+    )
+
+
 def batch_of(runner):
     """The model runner's persistent batch (request ids, computed tokens, generators)."""
     return runner.input_batch

@@ -256,7 +256,7 @@ class CompressingWorkerMixin:
         )
 
         state = self.kvpress_state
-        attention = state.engine_options.attention_backend
+        attention = state.engine_options.head_wise_kernel
         model, parallel = self.vllm_config.model_config, self.vllm_config.parallel_config
         kv_heads = model.get_num_kv_heads(parallel)
         group = max(1, model.get_num_attention_heads(parallel) // kv_heads)
@@ -275,7 +275,7 @@ class CompressingWorkerMixin:
                 raise EngineConfigError(
                     f"kvpress_critical cannot run the head-wise attention's backend {attention!r} on {weight.device} "
                     f"for {q_len} query token(s) of {kv_heads} KV heads in groups of {group} ({error}). Set "
-                    "additional_config['kvpress_critical']['attention_backend'] to 'auto' (or one that runs here)."
+                    "additional_config['kvpress_critical']['head_wise_kernel'] to 'auto' (or one that runs here)."
                 ) from error
 
     def execute_model(self, scheduler_output, *args, **kwargs):
@@ -301,7 +301,8 @@ class CompressingWorkerMixin:
         return self.kvpress_state.take_stage_selections()
 
     def kvpress_critical_compacted(self) -> int:
-        """How many compactions this worker has done (one per request, or one per prompt chunk with chunk_size)."""
+        """How many compactions this worker has done (one per request, or one per prompt chunk with
+        compression_chunk_size)."""
         return self.kvpress_state.compacted_requests
 
     def kvpress_critical_tracked(self) -> int:

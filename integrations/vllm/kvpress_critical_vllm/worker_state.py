@@ -35,7 +35,7 @@ import torch
 from kvpress_critical_vllm.layouts import block_memory, region_views
 from kvpress_critical_vllm.presses import heads_per_chunk, layer_scores, select
 from kvpress_critical_vllm.protocol import DIRECTIVES_ATTRIBUTE, Compact, Compacted, StepDirectives, StepReport
-from kvpress_critical_vllm.vllm_compat import batch_of
+from kvpress_critical_vllm.vllm_compat import batch_of, batch_rows, block_table, query_starts, requests_starting_over
 
 # under vLLM's logger, so that the lines appear in vLLM's log at its level (VLLM_LOGGING_LEVEL)
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -78,7 +78,7 @@ class HeadWise:
 
     evicted: int
     region_end: int
-    counts: torch.Tensor  # (L, H_kv) int64
+    counts: torch.Tensor  # (L, H_kv) int64, on the host: a step's attention inputs are planned without a device read
 
 
 @dataclass
@@ -93,6 +93,7 @@ class HeadWiseRows:
     seg_len: torch.Tensor  # (L, rows * H_kv) int64
     tail_table: torch.Tensor  # (rows, T) int64
     tail_len: torch.Tensor  # (rows,) int64
+    max_len: list[int]  # (L,) the longest region segment plus tail of a layer, known on the host (the op's grid)
 
 
 @dataclass
@@ -192,10 +193,7 @@ class WorkerState:
     # ----------------------------------------------------------------------------------------------------- steps
     def begin_step(self, scheduler_output) -> None:
         """Take the step's directives; forget finished requests and start over for new or resumed ones."""
-        gone = set(scheduler_output.finished_req_ids)
-        gone.update(request.req_id for request in scheduler_output.scheduled_new_reqs)
-        gone.update(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
-        for request_id in gone:
+        for request_id in requests_starting_over(scheduler_output):
             self.shifts.pop(request_id, None)
             self.head_wise.pop(request_id, None)
             self.queries.pop(request_id, None)
@@ -225,12 +223,12 @@ class WorkerState:
                 f"{self.block_size}"
             )
         plan = StepPlan()
-        starts = cm.query_start_loc_cpu[: num_reqs + 1].tolist()
-        computed = batch.num_computed_tokens_cpu[:num_reqs].tolist()
+        starts = query_starts(cm, num_reqs)
+        request_ids, computed = batch_rows(self.runner, num_reqs)
         shift = [0] * num_reqs
         head_wise_rows = []
         directives = self._directives
-        for row, request_id in enumerate(batch.req_ids[:num_reqs]):
+        for row, request_id in enumerate(request_ids):
             before, scheduled = computed[row], starts[row + 1] - starts[row]
             if request_id in self.shifts:
                 shift[row] = self.shifts[request_id]
@@ -254,19 +252,19 @@ class WorkerState:
                         f"its compaction from position {evict.start} follows one that was not done"
                     )
                 else:
-                    table = cm.block_table_tensor[row, : -(-evict.seen // block_size)]
+                    table = block_table(cm)[row, : -(-evict.seen // block_size)]
                     plan.jobs.append(Job(job, row, starts[row], starts[row + 1], table))
             window = directives.save_queries.get(request_id)
             if window is not None:
                 plan.saves.append(QuerySave(request_id, window, starts[row], starts[row + 1]))
-        missing = (directives.compact.keys() | directives.save_queries.keys()) - set(batch.req_ids[:num_reqs])
+        missing = (directives.compact.keys() | directives.save_queries.keys()) - set(request_ids)
         if missing:
             raise PluginStateError(f"kvpress_critical: directives for requests not in this step's batch: {missing}")
         if any(shift):
             plan.shift = torch.tensor(shift, dtype=torch.int64)
         for q_len in sorted({rows[3] for rows in head_wise_rows}):
             group = [rows for rows in head_wise_rows if rows[3] == q_len]
-            plan.head_wise.append(self._head_wise_rows(group, starts, cm.block_table_tensor, block_size))
+            plan.head_wise.append(self._head_wise_rows(group, starts, block_table(cm), block_size))
         self._plan = plan
         return plan
 
@@ -281,7 +279,8 @@ class WorkerState:
             tails.append(block_table[row, boundary : -(-seq_len // block_size)])
             counts.append(state.counts)
             tail_lens.append(seq_len - state.region_end)
-        counts = torch.stack(counts, dim=1)  # (L, rows, H_kv)
+        counts = torch.stack(counts, dim=1)  # (L, rows, H_kv) on the host
+        longest = (counts.max(dim=2).values + torch.tensor(tail_lens)).max(dim=1).values  # (L,)
         seg_len = counts.reshape(counts.shape[0], -1)
         seg_start = (torch.cumsum(counts, dim=2) - counts).reshape(counts.shape[0], -1)
 
@@ -301,6 +300,7 @@ class WorkerState:
             seg_len=seg_len.to(device),
             tail_table=table(tails),
             tail_len=torch.tensor(tail_lens, dtype=torch.int64),
+            max_len=longest.tolist(),
         )
 
     def attend_head_wise(self, layer, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, plan) -> None:
@@ -327,7 +327,7 @@ class WorkerState:
                 out = paged_ragged_attention(
                     queries, region_keys, region_values, rows.region_table, rows.seg_start[index],
                     rows.seg_len[index], flat, flat, rows.tail_table, rows.tail_len, key_offsets, value_offsets,
-                    layer.impl.scale, backend=self.engine_options.attention_backend,
+                    layer.impl.scale, backend=self.engine_options.head_wise_kernel, max_len=rows.max_len[index],
                 )  # fmt: skip
                 output[rows.tokens] = out.to(output.dtype)  # (rows, q, H, d)
             except Exception as error:  # noqa: BLE001 - these requests end with an error, never the engine
@@ -412,7 +412,7 @@ class WorkerState:
         if job.directive.options.head_wise:
             counts = torch.stack([mask.sum(dim=1) for mask in kept.values()])  # (L, H_kv), the pinned tail in
             pinned = evict.seen % evict.block_size
-            self.head_wise[request_id] = HeadWise(evict.evicted, evict.seen - pinned, counts - pinned)
+            self.head_wise[request_id] = HeadWise(evict.evicted, evict.seen - pinned, (counts - pinned).cpu())
         else:
             self.shifts[request_id] = evict.evicted
             counts = torch.full((1, 1), evict.kept)
@@ -556,7 +556,7 @@ class WorkerState:
         }
 
     def take_stage_selections(self) -> dict[str, list[dict[str, Any]]]:
-        """The recorded selections after each compaction of every request (several with ``chunk_size``:
+        """The recorded selections after each compaction of every request (several with ``compression_chunk_size``:
         (``{request_id: [{"seen": tokens, "kept": {layer_name: [positions of each KV head]}}, ...]}``), then
         forgotten."""
         stages, self.stage_selections = self.stage_selections, {}

@@ -86,7 +86,7 @@ ENGINES = {
         plugin={
             **ENGINE_OPTIONS,
             "compression_ratio": 0.95,
-            "chunk_size": 128,
+            "compression_chunk_size": 128,
             "compression_interval": 64,
             "target_size": 64,
             "window_size": 32,

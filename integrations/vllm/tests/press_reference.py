@@ -4,14 +4,14 @@ The plugin's environment has vLLM's transformers and no kvpress, so its selectio
 through this script: ``press_reference.py JOB.json OUT.json`` reads ``{"model": path, "requests": [{"prompt_ids",
 "press", "n_kept", options}]}`` and writes per request, per layer, the kept positions of each KV head, ascending. Each
 layer keeps exactly ``n_kept`` entries per head (on average over the heads for the head-wise presses, AdaKV's budgets):
-the plugin's block-aligned count, so that both select for the same budget. A request with ``chunk_size`` runs
-``ChunkedPrefillPress(press, chunk_size)`` instead, keeping after each chunk the count the plugin kept for the tokens
-seen (``"kept_after": {seen: n_kept}``; everything after a chunk the plugin did not compact), and reports the prompt
-positions each head keeps after the last chunk. A request with ``compression_interval`` is compressed while decoding the
-engine's own tokens (``"tokens"``, fed one at a time after the prompt) by this project's ``DecodingCompressor`` on
-kvpress's ``DecodingPress`` schedule, keeping the plugin's counts (``"kept_at": {seen: n_kept}``), after its prompt was
-compressed as above (``"kept_after"``, empty when the plugin left the prompt whole); it reports the positions each head
-keeps after every compaction while decoding (``{seen: {layer: heads}}``)."""
+the plugin's block-aligned count, so that both select for the same budget. A request with ``compression_chunk_size``
+runs ``ChunkedPrefillPress(press, chunk_size)`` instead, keeping after each chunk the count the plugin kept for the
+tokens seen (``"kept_after": {seen: n_kept}``; everything after a chunk the plugin did not compact), and reports the
+prompt positions each head keeps after the last chunk. A request with ``compression_interval`` is compressed while
+decoding the engine's own tokens (``"tokens"``, fed one at a time after the prompt) by this project's
+``DecodingCompressor`` on kvpress's ``DecodingPress`` schedule, keeping the plugin's counts (``"kept_at": {seen:
+n_kept}``), after its prompt was compressed as above (``"kept_after"``, empty when the plugin left the prompt whole); it
+reports the positions each head keeps after every compaction while decoding (``{seen: {layer: heads}}``)."""
 
 import json
 import os
@@ -106,9 +106,9 @@ def compressed_while_decoding(model, press, base, request) -> dict:
     prompt = request["prompt_ids"]
     cache = DynamicCache()
     kept_after = {int(seen): kept for seen, kept in request["kept_after"].items()}
-    if kept_after and request["chunk_size"]:
+    if kept_after and request["compression_chunk_size"]:
         base.compression_ratio = request["compression_ratio"]
-        chunked = ScheduledChunks(press, request["chunk_size"], kept_after)
+        chunked = ScheduledChunks(press, request["compression_chunk_size"], kept_after)
         with torch.no_grad(), chunked(model):
             model.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
         positions = chunked.positions  # every chunk's, a last one that freed no block whole
@@ -166,9 +166,9 @@ def main():
         if request.get("compression_interval"):
             results.append(compressed_while_decoding(model, press, base, request))
             continue
-        if request.get("chunk_size"):
+        if request.get("compression_chunk_size"):
             kept_after = {int(seen): kept for seen, kept in request["kept_after"].items()}
-            chunked = ScheduledChunks(press, request["chunk_size"], kept_after)
+            chunked = ScheduledChunks(press, request["compression_chunk_size"], kept_after)
             base.compression_ratio = request["compression_ratio"]
             with torch.no_grad(), chunked(model):
                 model.model(input_ids=torch.tensor([request["prompt_ids"]]))

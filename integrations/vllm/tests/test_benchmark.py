@@ -17,14 +17,14 @@ def script_job(tmp_path_factory, name: str, *args: str) -> background.Job:
     return background.Job(command, cwd=folder, env=env, timeout=1800)  # niced: it may wait long for an idle core
 
 
-@background.job("bench-vllm")
+@background.job("bench-vllm", lane="bench")  # a second lane: the jobs left when the in-process tests end use both cores
 def bench_vllm_job(tmp_path_factory) -> background.Job:
     return script_job(tmp_path_factory, "bench_vllm", "--quick", "--ratios", "0,0.75", "--chunk-sizes", "0,128",
                       "--compression-interval", "40", "--target-size", "48", "--window-size", "32",
                       "--lone-prompt", "150")  # fmt: skip
 
 
-@background.job("bench-vllm-quality")
+@background.job("bench-vllm-quality", lane="bench")
 def bench_vllm_quality_job(tmp_path_factory) -> background.Job:
     return script_job(
         tmp_path_factory, "bench_vllm_quality", "--quick", "--presses", "critical_snapkv,critical_adakv_snapkv",

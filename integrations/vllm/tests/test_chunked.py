@@ -1,13 +1,14 @@
-"""Compression after every prompt chunk (``chunk_size``): the engine runs ``ChunkedPrefillPress``'s schedule.
+"""Compression after every prompt chunk (``compression_chunk_size``): the engine runs ``ChunkedPrefillPress``'s
+schedule.
 
-The chunked rows of the mixed batch (``chunk_size`` 128, per request): their prompts are prefilled in chunks of 128
-tokens and compacted after each one. Checked:
+The chunked rows of the mixed batch (``compression_chunk_size`` 128, per request): their prompts are prefilled in chunks
+of 128 tokens and compacted after each one. Checked:
 
 - exactness: the engine's greedy tokens equal transformers' prefilling the same chunks at their positions, each over
   the cache the engine kept after the chunk before (``reference.greedy_with_compactions``, fed with the kept
   positions the engine reports after each compaction);
-- selection: the kept entries equal ``ChunkedPrefillPress(press, chunk_size)`` (this project's transformers press,
-  run in kvpress's environment) keeping the plugin's block-aligned counts;
+- selection: the kept entries equal ``ChunkedPrefillPress(press, chunk_size)`` (this project's transformers press, run
+  in kvpress's environment) keeping the plugin's block-aligned counts;
 - memory: at every step of a traced run a request holds no more blocks than the schedule's bound (what the
   compactions before left, and the chunk), and a pool runs at once requests whose prompts it could not hold whole;
 - preemption: the same tokens as the unpreempted engine (async scheduling: ``test_engine_features.py``).
@@ -25,7 +26,7 @@ NAMES = [row.name for row in rows_of("chunked")]
 def chunked_params(press: str, max_tokens: int = NEW_TOKENS, **extra):
     from vllm import SamplingParams
 
-    options = {"press": press, "chunk_size": CHUNK}
+    options = {"press": press, "compression_chunk_size": CHUNK}
     return SamplingParams(max_tokens=max_tokens, temperature=0, extra_args={"kvpress_critical": options}, **extra)
 
 
@@ -62,7 +63,7 @@ def test_a_request_never_holds_more_than_the_schedules_bound(engine, prompt_ids)
     from kvpress_critical_vllm.budget import blocks_held_at_most
 
     prompt = prompt_ids[5 : 5 + 800]
-    plan = plan_of({"press": "critical_snapkv", "chunk_size": CHUNK}, len(prompt))
+    plan = plan_of({"press": "critical_snapkv", "compression_chunk_size": CHUNK}, len(prompt))
     trace = []
 
     def trace_step(scheduler, ids):
@@ -93,16 +94,18 @@ def test_a_request_never_holds_more_than_the_schedules_bound(engine, prompt_ids)
 def test_a_pool_runs_prompts_it_could_not_hold_whole(small_pool_engine, prompt_ids):
     """64 blocks (2048 tokens): two 1700-token prompts (54 blocks each) run one after the other when compressed after
     the prompt (vLLM admits a request when its whole prompt fits, and a compressed one holds 14 blocks), at once with
-    chunk_size 128 (the plugin admits it when what it holds at most fits), ratio 0.75."""
+    compression_chunk_size 128 (the plugin admits it when what it holds at most fits), ratio 0.75."""
     from vllm import SamplingParams
 
     peaks = {}
-    for chunk_size in (0, CHUNK):
-        options = {"compression_ratio": 0.75, "chunk_size": chunk_size}
+    for compression_chunk_size in (0, CHUNK):
+        options = {"compression_ratio": 0.75, "compression_chunk_size": compression_chunk_size}
         params = SamplingParams(max_tokens=16, ignore_eos=True, extra_args={"kvpress_critical": options})
-        requests = {f"whole-{chunk_size}-{i}": (prompt_ids[20 * i : 20 * i + 1700], params) for i in range(2)}
-        peaks[chunk_size] = serve(small_pool_engine, requests).peak
-    print("requests at once (chunk_size: peak):", peaks)
+        requests = {
+            f"whole-{compression_chunk_size}-{i}": (prompt_ids[20 * i : 20 * i + 1700], params) for i in range(2)
+        }
+        peaks[compression_chunk_size] = serve(small_pool_engine, requests).peak
+    print("requests at once (compression_chunk_size: peak):", peaks)
     assert peaks == {0: 1, CHUNK: 2}
 
 
@@ -118,14 +121,16 @@ def test_a_seeded_request_compacted_after_every_chunk_is_served(engine, prompt_i
     sample vLLM throws away and whose generator it rewinds: a CPU generator cannot, and the engine died of it) is
     served, and two such requests with the same seed draw the same tokens; the engine goes on."""
     prompt = prompt_ids[40 : 40 + 450]
-    served = serve(engine, {f"seeded-{i}": (prompt, seeded(16, 7, chunk_size=CHUNK)) for i in range(2)})
+    served = serve(engine, {f"seeded-{i}": (prompt, seeded(16, 7, compression_chunk_size=CHUNK)) for i in range(2)})
     assert served.finish == {"seeded-0": "length", "seeded-1": "length"}
     assert served.tokens["seeded-0"] == served.tokens["seeded-1"]
     assert served.records["seeded-0"].compactions == 4  # 128, 256, 384 and the prompt's end
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [{"compression_ratio": 0.0}, {"chunk_size": 2 * CHUNK}], ids=["whole", "chunked"])
+@pytest.mark.parametrize(
+    "options", [{"compression_ratio": 0.0}, {"compression_chunk_size": 2 * CHUNK}], ids=["whole", "chunked"]
+)
 def test_a_seeded_request_draws_the_same_tokens_however_its_prompt_is_split(
     engine, chunked_prefill_engine, prompt_ids, options
 ):

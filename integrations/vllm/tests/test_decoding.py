@@ -91,8 +91,8 @@ def test_long_generations_run_at_once_in_bounded_memory(small_pool_engine, promp
 
 @pytest.mark.slow
 def test_a_prompt_and_a_generation_longer_than_the_pool_are_served(bounded_engine, prompt_ids):
-    """A pool of 16 blocks (512 tokens) and a max_model_len of 2048: with chunk_size, compression_interval and
-    target_size engine-wide a request holds at most ``hold_bound`` blocks, which vLLM's start-up check reads. A
+    """A pool of 16 blocks (512 tokens) and a max_model_len of 2048: with compression_chunk_size, compression_interval
+    and target_size engine-wide a request holds at most ``hold_bound`` blocks, which vLLM's start-up check reads. A
     1200-token prompt (2.3 times the pool) and a 640-token generation (1.25 times the pool by itself) are served,
     every request within the bound at every step; a request whose own options would hold more than the pool is refused
     when it is made, one that fits the pool whole is served whatever its options."""
@@ -105,8 +105,9 @@ def test_a_prompt_and_a_generation_longer_than_the_pool_are_served(bounded_engin
     bound = hold_bound(plan_options(options), 2048, BLOCK_SIZE)
     assert scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec.max_blocks_held == bound
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 16 and bound <= 16 < 2048 // BLOCK_SIZE
-    with pytest.raises(VLLMValidationError, match="chunk_size"):  # 1232 tokens held whole: more than the pool
-        llm.generate([{"prompt_token_ids": prompt_ids[:1200]}], [params({"chunk_size": 0}, 32)])
+    # 1232 tokens held whole: more than the pool
+    with pytest.raises(VLLMValidationError, match="compression_chunk_size"):
+        llm.generate([{"prompt_token_ids": prompt_ids[:1200]}], [params({"compression_chunk_size": 0}, 32)])
     # the check reads the request's own length: 300 + 8 tokens held whole fit the pool, whatever the options
     (short,) = llm.generate([{"prompt_token_ids": prompt_ids[:300]}], [params({"compression_ratio": 0}, 8)])
     assert len(short.outputs[0].token_ids) == 8

