@@ -434,7 +434,8 @@ at::Tensor ragged_attention_quantized_cpu(const at::Tensor& query, const at::Ten
 // (kvpress_critical/ops/paged_ragged_attention). A segment's region entries are read in place, run by run (a run:
 // the entries of one region block, consecutive rows), through the row's region table; a row's tail is gathered
 // once per (row, KV head) into the thread's scratch through the tail's block table and element offsets (the
-// engine's own in-block order), a run of consecutive offsets per copy, then attended with its causal limits. Work items and the merge are ragged_attention's.
+// engine's own in-block order), a run of consecutive offsets per copy, then attended with its causal limits. Work
+// items and the merge are ragged_attention's.
 at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor& region_keys,
                                       const at::Tensor& region_values, const at::Tensor& region_table_in,
                                       const at::Tensor& seg_start_in, const at::Tensor& seg_len_in,

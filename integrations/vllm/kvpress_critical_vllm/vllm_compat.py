@@ -17,6 +17,12 @@ from collections.abc import Iterable
 
 import torch
 
+
+def _attributes(module: str, owner: str, names: str) -> tuple[tuple[str, str, str], ...]:
+    """SURFACE entries of the attributes ``names`` (space-separated) of class ``owner`` in ``module``."""
+    return tuple((module, f"{owner}.{name}", "attribute") for name in names.split())
+
+
 # (module, qualified name, what the plugin needs of it): "class" (imported or subclassed), "method(param, ...)" (the
 # parameters the plugin passes or overrides, by name), "attribute" (read or written on instances: checked in the
 # class's source, since instance attributes are set in __init__)
@@ -52,12 +58,11 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks", "method()"),
     ("vllm.v1.request", "Request", "class"),
     ("vllm.v1.request", "RequestStatus", "class"),
-    *(
-        ("vllm.v1.request", f"Request.{name}", "attribute")
-        for name in (
-            "request_id sampling_params num_prompt_tokens num_computed_tokens num_tokens max_tokens num_preemptions "
-            "resumable status client_index trace_headers"
-        ).split()
+    *_attributes(
+        "vllm.v1.request",
+        "Request",
+        "request_id sampling_params num_prompt_tokens num_computed_tokens num_tokens max_tokens num_preemptions "
+        "resumable status client_index trace_headers",
     ),
     ("vllm.v1.request", "Request.take_events", "method()"),
     ("vllm.v1.request", "Request.get_finished_reason", "method()"),
@@ -94,12 +99,11 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.outputs", "AsyncModelRunnerOutput", "class"),
     ("vllm.v1.outputs", "EMPTY_MODEL_RUNNER_OUTPUT", "object"),
     ("vllm.v1.attention.backend", "CommonAttentionMetadata", "class"),
-    *(
-        ("vllm.v1.attention.backend", f"CommonAttentionMetadata.{name}", "attribute")
-        for name in (
-            "block_table_tensor query_start_loc_cpu seq_lens seq_lens_cpu_upper_bound max_seq_len num_reqs "
-            "_num_computed_tokens_cache _token_to_req_indices_cache"
-        ).split()
+    *_attributes(
+        "vllm.v1.attention.backend",
+        "CommonAttentionMetadata",
+        "block_table_tensor query_start_loc_cpu seq_lens seq_lens_cpu_upper_bound max_seq_len num_reqs "
+        "_num_computed_tokens_cache _token_to_req_indices_cache",
     ),
     ("vllm.v1.attention.backend", "CommonAttentionMetadata.replace", "method()"),
     ("vllm.v1.attention.backends.registry", "AttentionBackendEnum", "class"),

@@ -280,7 +280,8 @@ class WorkerState:
             counts.append(state.counts)
             tail_lens.append(seq_len - state.region_end)
         counts = torch.stack(counts, dim=1)  # (L, rows, H_kv) on the host
-        longest = (counts.max(dim=2).values + torch.tensor(tail_lens)).max(dim=1).values  # (L,)
+        tail_len = torch.tensor(tail_lens, dtype=torch.int64)
+        longest = (counts.max(dim=2).values + tail_len).max(dim=1).values  # (L,)
         seg_len = counts.reshape(counts.shape[0], -1)
         seg_start = (torch.cumsum(counts, dim=2) - counts).reshape(counts.shape[0], -1)
 
@@ -299,7 +300,7 @@ class WorkerState:
             seg_start=seg_start.to(device),
             seg_len=seg_len.to(device),
             tail_table=table(tails),
-            tail_len=torch.tensor(tail_lens, dtype=torch.int64),
+            tail_len=tail_len,
             max_len=longest.tolist(),
         )
 
