@@ -7,9 +7,10 @@ The plugin's backends subclass vLLM's (``CPU_ATTN``; ``FLASH_ATTN`` on NVIDIA GP
   untouched: new entries go where vLLM puts them);
 - the implementation, after a layer's attention, hands the worker's state the queries of the rows that end a
   prompt (or an earlier chunk of one) in this step: SnapKV scores the prompt's last queries. The compaction itself
-  runs after the forward pass (:meth:`kvpress_critical_vllm.worker_state.WorkerState.finish_step`), which reads and
-  writes the paged cache through the layouts below: the paged layout may hold a different position in each KV head
-  at the same slot, since attention reads each head's own keys and values and RoPE is already applied.
+  runs after the forward pass (:meth:`kvpress_critical_vllm.worker_state.WorkerState.finish_step`, in
+  :mod:`kvpress_critical_vllm.compaction`), which reads and writes the paged cache through the layouts below: the
+  paged layout may hold a different position in each KV head at the same slot, since attention reads each head's
+  own keys and values and RoPE is already applied.
 
 Both behave as vLLM's own unless the engine was started with the plugin's ``additional_config``; with it, a
 builder that was not given the worker's state refuses to build (the plugin never skips a row silently).
@@ -22,8 +23,9 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from kvpress_critical_vllm.layouts import LearnedBlockLayout, SplitLayout, check_round_trip, split_flash_attn
 from kvpress_critical_vllm.options import engine_options
+from kvpress_critical_vllm.protocol import PluginStateError
 from kvpress_critical_vllm.vllm_compat import shifted_view
-from kvpress_critical_vllm.worker_state import PluginStateError, WorkerState
+from kvpress_critical_vllm.worker_state import WorkerState
 
 PLAN_ATTRIBUTE = "kvpress_critical_plan"
 

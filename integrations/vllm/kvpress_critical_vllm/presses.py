@@ -55,7 +55,7 @@ def compaction_peak_bytes(
 ) -> int:  # fmt: skip
     """
     The most a compaction of an ``n_prompt``-token request holds beside the model and its cache (what
-    :meth:`~kvpress_critical_vllm.worker_state.WorkerState.finish_step` allocates): one chunk of KV heads
+    :meth:`~kvpress_critical_vllm.compaction.Compactor.compact` allocates): one chunk of KV heads
     (:func:`compaction_bytes`, at most :data:`CHUNK_BYTES` unless one head needs more), the layer's scores and
     ranks (``40 H_kv N``), every layer's keep mask until it is written (``L H_kv N``, bool) and the kept keys and
     values while they are written (one head's, ``2 N d e``, with uniform budgets; the layer's, ``2 N H_kv d e``, with

@@ -20,6 +20,10 @@ DIRECTIVES_ATTRIBUTE = "kvpress_critical_directives"
 REPORT_ATTRIBUTE = "kvpress_critical_report"
 
 
+class PluginStateError(RuntimeError):
+    """The workers and the scheduler disagree about a request: a bug, which stops rather than answers wrongly."""
+
+
 @dataclass(frozen=True)
 class Compact:
     """Compact ``request_id`` after this step, whose scheduled tokens end exactly at ``eviction.seen``."""

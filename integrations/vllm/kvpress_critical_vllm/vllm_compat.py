@@ -13,7 +13,7 @@ is what a port must follow. The version notes are in docs/vllm.md ("vLLM's inter
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -111,6 +111,7 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.attention.selector", "_cached_get_attn_backend", "function"),
     ("vllm.model_executor.layers.attention", "Attention", "class"),
     ("vllm.distributed", "get_tp_group", "function"),
+    ("vllm.distributed.parallel_state", "GroupCoordinator.cpu_group", "attribute"),
     # the entry points (plugin.py, engine_config.py)
     ("vllm.engine.arg_utils", "EngineArgs.create_engine_config", "method()"),
     ("vllm.sampling_params", "SamplingParams._verify_extra_args", "method()"),
@@ -247,3 +248,20 @@ def attention_groups(runner) -> list:
 def forward_context(vllm_config) -> dict:
     """Every attention layer by name (``compilation_config.static_forward_context``)."""
     return vllm_config.compilation_config.static_forward_context
+
+
+def attention_modules(model) -> Iterator[tuple[str, object]]:
+    """``(module name, module)`` of each of the model's attention layers (vLLM's ``Attention``: its ``layer_name``
+    keys the forward context)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    for name, module in model.named_modules():
+        if isinstance(module, Attention):
+            yield name, module
+
+
+def tp_cpu_group():
+    """The CPU process group of this worker's tensor-parallel ranks (the compaction's vote)."""
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().cpu_group

@@ -30,7 +30,7 @@ def greedy(max_tokens, ratio=None):
 def test_a_failed_selection_leaves_the_request_whole_and_its_blocks_held(
     engine, prompt_ids, monkeypatch, caplog, stage
 ):
-    import kvpress_critical_vllm.worker_state as worker_state
+    import kvpress_critical_vllm.compaction as compaction
 
     scheduler = scheduler_of(engine)
     pool = scheduler.kv_cache_manager.block_pool
@@ -40,7 +40,7 @@ def test_a_failed_selection_leaves_the_request_whole_and_its_blocks_held(
     def failing(*args, **kwargs):
         raise RuntimeError("injected selection failure")
 
-    monkeypatch.setattr(worker_state, stage, failing)
+    monkeypatch.setattr(compaction, stage, failing)
     free = pool.get_num_free_blocks()
     engine.llm_engine.add_request("fails", {"prompt_token_ids": prompt}, greedy(16))
     engine.llm_engine.step()  # the prompt: 25 blocks; the selection fails, nothing is written or freed
@@ -137,21 +137,21 @@ def test_longer_than_the_pool_a_request_that_falls_back_ends_alone_and_the_other
     served as they are alone."""
     import kvpress_critical_vllm.scheduler as scheduler_module
     import kvpress_critical_vllm.worker as worker_module
-    from kvpress_critical_vllm.worker_state import WorkerState
+    from kvpress_critical_vllm.compaction import Compactor
 
     others = {f"{fault}-other{i}": (prompt_ids[300 * i : 300 * i + 300], greedy(8)) for i in (1, 2)}
     expected = serve(bounded_engine, dict(others)).tokens
     others = {f"{name}-again": request for name, request in others.items()}
     victim = f"{fault}-victim"
     if fault == "selection_raises":
-        select = WorkerState._select
+        select = Compactor.select
 
         def failing_select(self, job, scores):
             if job.directive.request_id.startswith(victim):
                 raise RuntimeError("injected selection failure")
             return select(self, job, scores)
 
-        monkeypatch.setattr(WorkerState, "_select", failing_select)
+        monkeypatch.setattr(Compactor, "select", failing_select)
     elif fault == "no_report":
         with_report, dropped = worker_module.with_report, []
 
@@ -189,7 +189,7 @@ def test_longer_than_the_pool_a_request_that_falls_back_ends_alone_and_the_other
 
 
 def test_a_builder_without_the_worker_state_refuses(engine):
-    from kvpress_critical_vllm.worker_state import PluginStateError
+    from kvpress_critical_vllm.protocol import PluginStateError
 
     builder = worker_of(engine).model_runner.attn_groups[0][0].metadata_builders[0]
     state = builder.kvpress_state

@@ -395,7 +395,7 @@ def test_the_step_plan_follows_the_directives_and_the_shifts():
     ],
 )
 def test_the_step_plan_refuses_any_disagreement(case, message):
-    from kvpress_critical_vllm.worker_state import PluginStateError
+    from kvpress_critical_vllm.protocol import PluginStateError
 
     state = _worker_state(["a", "b"], [0, 0])
     compact = {
@@ -551,7 +551,7 @@ def test_region_views_read_each_block_in_memory_order_whatever_its_logical_order
 
 def _head_wise_job(n_prompt, ratio, block_size, num_blocks):
     from kvpress_critical_vllm.protocol import Compact
-    from kvpress_critical_vllm.worker_state import Job
+    from kvpress_critical_vllm.step_plan import Job
 
     options = CompressionOptions(press="critical_adakv_snapkv", compression_ratio=ratio, window_size=block_size - 1)
     evict = eviction(options, n_prompt, block_size)
@@ -561,11 +561,11 @@ def _head_wise_job(n_prompt, ratio, block_size, num_blocks):
 
 @pytest.mark.parametrize("n_prompt,ratio", [(178, 0.4), (111, 0.9)])  # a region of 3 blocks; E == B: none
 def test_a_head_wise_write_packs_each_heads_entries_into_the_region(n_prompt, ratio):
+    from kvpress_critical_vllm.compaction import Compactor
     from kvpress_critical_vllm.layouts import SplitLayout, region_views, split_flash_attn
 
     block_size, num_kv_heads, head_size = 16, 3, 4
-    state = _worker_state(["a"], [0])
-    state.layout = SplitLayout(split_flash_attn, head_size)
+    compactor = Compactor(SplitLayout(split_flash_attn, head_size), o_proj={})
     job = _head_wise_job(n_prompt, ratio, block_size, num_blocks=16)
     evict = job.directive.eviction
     boundary = n_prompt // block_size * block_size
@@ -577,12 +577,12 @@ def test_a_head_wise_write_packs_each_heads_entries_into_the_region(n_prompt, ra
     kept[:, boundary:] = True
     for head, count in enumerate(counts):
         kept[head, torch.randperm(boundary)[: count - (n_prompt - boundary)]] = True
-    state._write(job, {"layer": kept}, {"layer": SimpleNamespace(kv_cache=kv_cache)})
-    slots = state._slots(job)
+    compactor.write(job, {"layer": kept}, {"layer": SimpleNamespace(kv_cache=kv_cache)})
+    slots = compactor.slots(job)
     expected_keys, expected_values = [], []
     for head in range(num_kv_heads):
         positions = kept[head, :boundary].nonzero().flatten()
-        keys, values = state.layout.read(before, slots[positions], slice(head, head + 1))
+        keys, values = compactor.layout.read(before, slots[positions], slice(head, head + 1))
         expected_keys.append(keys[:, 0])
         expected_values.append(values[:, 0])
     region = job.block_ids[evict.evicted // block_size : boundary // block_size]

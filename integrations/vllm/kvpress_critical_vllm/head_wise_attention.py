@@ -1,0 +1,66 @@
+"""The head-wise rows' attention: a compacted head-wise request attends, in every layer, over its region (each KV
+head's kept entries, packed head after head into whole blocks) and its tail (positions from the prompt's last block
+boundary on) with :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention`; its result replaces the
+backend's output rows, whose kernel saw only the row's last blocks.
+
+A failure of the kernel ends the requests of those rows (reported broken: the scheduler discards their tokens of this
+step and ends them with an error), never the step or the engine: their rows keep the backend's output, which the
+other rows of the step do not read.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvpress_critical_vllm.layouts import block_memory, region_views
+from kvpress_critical_vllm.protocol import StepReport
+from kvpress_critical_vllm.step_plan import StepPlan
+
+# under vLLM's logger, so that the lines appear in vLLM's log at its level (VLLM_LOGGING_LEVEL)
+logger = logging.getLogger(f"vllm.{__name__}")
+
+
+class HeadWiseAttention:
+    """One worker's head-wise attention: the kernel named by the engine's ``head_wise_kernel``, the tail's element
+    offsets in the backend's block (read from the first cache it sees: every layer's cache has the same layout)."""
+
+    def __init__(self, kernel: str, layer_index: dict[str, int], layout) -> None:
+        self.kernel = kernel
+        self.layer_index = layer_index  # attention layer name -> its index among the compressed layers
+        self.layout = layout
+        self.tail_offsets: tuple[torch.Tensor, torch.Tensor] | None = None  # (H_kv, bs, d) element offsets
+
+    def attend(
+        self, layer, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, plan: StepPlan,
+        report: StepReport,
+    ) -> None:  # fmt: skip
+        """The head-wise rows' attention in ``layer`` (``query`` and ``output``: (tokens, H, d)), written over the
+        backend's output rows; the requests of rows whose kernel failed go to ``report`` as broken."""
+        from kvpress_critical.ops.paged_ragged_attention import paged_ragged_attention
+
+        index = self.layer_index[layer.layer_name]
+        region_keys, region_values = region_views(kv_cache)
+        flat = block_memory(kv_cache)  # (blocks, block elements): the tail's element offsets index it
+        if self.tail_offsets is None:
+            self.tail_offsets = self.layout.tail_offsets(kv_cache)
+        key_offsets, value_offsets = self.tail_offsets
+        for rows in plan.head_wise:
+            if all(request_id in report.broken for request_id in rows.request_ids):
+                continue  # failed in an earlier layer of this step
+            try:
+                queries = query[rows.tokens].transpose(1, 2)  # (rows, H, q, d)
+                out = paged_ragged_attention(
+                    queries, region_keys, region_values, rows.region_table, rows.seg_start[index],
+                    rows.seg_len[index], flat, flat, rows.tail_table, rows.tail_len, key_offsets, value_offsets,
+                    layer.impl.scale, backend=self.kernel, max_len=rows.max_len[index],
+                )  # fmt: skip
+                output[rows.tokens] = out.to(output.dtype)  # (rows, q, H, d)
+            except Exception as error:  # noqa: BLE001 - these requests end with an error, never the engine
+                logger.error(
+                    "kvpress_critical: the head-wise attention failed in layer %s for requests %s: %r",
+                    layer.layer_name, ", ".join(rows.request_ids), error,
+                )  # fmt: skip
+                for request_id in rows.request_ids:
+                    report.broken[request_id] = f"its head-wise attention failed ({error!r})"
