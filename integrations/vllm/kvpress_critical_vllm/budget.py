@@ -81,15 +81,26 @@ def whole_blocks_over(seen: int, start: int, budget: int, block_size: int) -> in
     return max(0, (seen - start - budget) // block_size * block_size)
 
 
+def prompt_budget(options: CompressionOptions, n_prompt: int) -> int:
+    """Entries per head a prompt compaction keeps after ``n_prompt`` tokens: ``ChunkedPrefillPress``'s
+    ``max(1, int(N * (1 - ratio)))``, at least ``min_kept`` (never more than the prompt); all of them at ratio 0."""
+    ratio = options.compression_ratio
+    if ratio <= 0:
+        return n_prompt
+    return max(compute_n_kept(n_prompt, ratio), min(options.min_kept, n_prompt))
+
+
 def eviction(options: CompressionOptions, n_prompt: int, block_size: int, start: int = 0) -> Eviction:
     """The :class:`Eviction` after ``n_prompt`` tokens of a request that holds positions ``start ..``; inactive (with
     its reason) when no whole block can be freed."""
     ratio = options.compression_ratio
-    budget = compute_n_kept(n_prompt, ratio) if ratio > 0 else n_prompt
+    budget = prompt_budget(options, n_prompt)
     free = whole_blocks_over(n_prompt, start, budget, block_size)
     reason = ""
     if ratio == 0:
         reason = "compression_ratio is 0"
+    elif n_prompt <= options.min_kept:
+        reason = f"its {n_prompt}-token prompt is not longer than min_kept ({options.min_kept})"
     elif options.base == "snapkv" and n_prompt <= options.window_size:
         reason = f"its {n_prompt}-token prompt is not longer than SnapKV's window ({options.window_size})"
     elif options.base == "streaming_llm" and (n_prompt <= options.n_sink or budget < options.n_sink):
@@ -107,12 +118,13 @@ def eviction(options: CompressionOptions, n_prompt: int, block_size: int, start:
 def decoding_eviction(options: CompressionOptions, seen: int, block_size: int, start: int, index: int) -> Eviction:
     """
     The :class:`Eviction` of a decoding interval that ends at ``seen`` tokens of a request holding positions
-    ``start ..``: back to ``target_size`` entries per head, rounded up to whole blocks; inactive when that frees no
+    ``start ..``: back to ``target_size`` entries per head (at least ``min_kept``), rounded up to whole blocks;
+    inactive when that frees no
     whole block (kvpress's ``DecodingPress`` leaves a layer at or under its target as it is).
     """
-    budget = options.target_size
+    budget = max(options.target_size, options.min_kept)
     free = whole_blocks_over(seen, start, budget, block_size)
-    reason = "" if free else f"it holds {seen - start} entries per head, less than one block over target_size {budget}"
+    reason = "" if free else f"it holds {seen - start} entries per head, less than one block over its {budget} entries"
     return Eviction(
         seen=seen, budget=budget, evicted=start + free, block_size=block_size, reason=reason, start=start,
         index=index, count=0, phase="decoding",
@@ -242,7 +254,7 @@ def hold_bound(options: CompressionOptions, max_len: int, block_size: int) -> in
 
     - while a chunk of ``c`` tokens runs (``compression_chunk_size``, the last one up to SnapKV's window longer), the
       entries kept for the ``P - c`` tokens before it and the chunk: at most ``b(max_len - c) + bs - 1 + c``, where
-      ``b(N) = max(1, int(N * (1 - ratio)))`` is ``ChunkedPrefillPress``'s budget;
+      ``b(N) = max(1, int(N * (1 - ratio)), min_kept)`` is ``ChunkedPrefillPress``'s budget with the floor;
     - while decoding, what the prompt's or the last decoding compaction kept and one ``compression_interval`` of new
       tokens: at most ``max(b(max_len - interval), target_size) + bs - 1 + interval``;
 
@@ -257,8 +269,9 @@ def hold_bound(options: CompressionOptions, max_len: int, block_size: int) -> in
     def blocks(entries: int) -> int:  # entries kept after a compaction, with at most one block of rounding
         return blocks_for(entries + block_size - 1, block_size)
 
-    prefill = blocks(compute_n_kept(max(1, max_len - chunk), ratio) + chunk)
-    decoding = blocks(max(compute_n_kept(max(1, max_len - interval), ratio), options.target_size) + interval)
+    floor = options.min_kept
+    prefill = blocks(max(compute_n_kept(max(1, max_len - chunk), ratio), floor) + chunk)
+    decoding = blocks(max(compute_n_kept(max(1, max_len - interval), ratio), options.target_size, floor) + interval)
     bound = max(prefill, decoding) + next_step_blocks(options, block_size)
     return bound if bound < blocks_for(max_len, block_size) else None
 
@@ -294,6 +307,7 @@ def check_hold(options: CompressionOptions, max_len: int, block_size: int, pool_
             "compression_chunk_size": options.compression_chunk_size,
             "compression_interval": options.compression_interval,
             "target_size": options.target_size,
+            "min_kept": options.min_kept,
         }
         option = max(sizes, key=sizes.get)
         fix = "a larger compression_ratio" if option == "compression_ratio" else f"a smaller {option}"

@@ -102,6 +102,7 @@ REQUEST_OPTIONS = (
     "compression_chunk_size",
     "compression_interval",
     "target_size",
+    "min_kept",
 )
 # options renamed so that they cannot be mistaken for vLLM's own (chunked prefill, --attention-backend): the old name
 # is refused with the new one in the message, never read silently
@@ -163,6 +164,11 @@ class CompressionOptions:
         ``window_size`` generated tokens' queries for SnapKV-based presses (``compression_interval`` must exceed
         ``window_size``). Both 0 (the default): no compression while decoding. Alone (``compression_ratio`` 0) or
         after the prompt's compression; uniform presses only.
+    min_kept : int
+        Entries per KV head that no compaction goes below (default 0: none): a prompt of at most ``min_kept`` tokens
+        is not compressed, a longer one keeps ``max(min_kept, int(N * (1 - ratio)))`` entries, and compression while
+        decoding goes back to ``max(target_size, min_kept)``. With the high ratio a prompt longer than the pool needs,
+        it keeps short prompts whole (and fluent) while long ones are still bounded.
     backend : str
         Engine-wide only: backend of :func:`kvpress_critical.projected_value_norm` (``auto``, ``torch``, ``cpp``,
         ``cuda``, ``triton``), checked on the engine's device at start-up.
@@ -188,6 +194,7 @@ class CompressionOptions:
     compression_chunk_size: int = 0
     compression_interval: int = 0
     target_size: int = 0
+    min_kept: int = 0
     backend: str = "auto"
     head_wise_kernel: str = "auto"
     record_selections: bool = False
@@ -316,6 +323,8 @@ def check_options(
     for name in ("compression_interval", "target_size"):
         if not _is_integer(getattr(options, name)) or not 0 <= getattr(options, name) <= CHUNK_LIMIT:
             raise fail(name, f"an integer in [0, {CHUNK_LIMIT}] (0 with the other: no compression while decoding)")
+    if not _is_integer(options.min_kept) or not 0 <= options.min_kept <= CHUNK_LIMIT:
+        raise fail("min_kept", f"an integer in [0, {CHUNK_LIMIT}] (0: no floor)")
     if options.norm not in ("l1", "l2"):
         raise fail("norm", "'l1' or 'l2'")
     if options.backend not in BACKENDS:

@@ -140,11 +140,12 @@ class CompressingSchedulerMixin:
             options, max_model_len = self.kvpress_options, self.vllm_config.model_config.max_model_len
             logger.info(
                 "kvpress_critical: a request holds at most %d blocks (compression_chunk_size %d, compression_interval "
-                "%d, target_size %d at compression_ratio %g), not the %d of a whole %d-token request: vLLM's start-up "
+                "%d, target_size %d, min_kept %d at compression_ratio %g), not the %d of a whole %d-token request: "
+                "vLLM's start-up "
                 "check and concurrency figures read that bound, and a request whose own options could hold more than "
                 "the pool's %d blocks is refused",
                 bound, options.compression_chunk_size, options.compression_interval, options.target_size,
-                options.compression_ratio, blocks_for(max_model_len, spec.block_size), max_model_len,
+                options.min_kept, options.compression_ratio, blocks_for(max_model_len, spec.block_size), max_model_len,
                 self.kv_cache_config.num_blocks - 1,
             )  # fmt: skip
 

@@ -128,3 +128,19 @@ def test_a_prompt_and_a_generation_longer_than_the_pool_are_served(bounded_engin
     print(f"bound {bound} blocks of a 16-block pool; held at most {most}")
     assert {name: len(tokens) for name, tokens in served.tokens.items()} == {n: k for n, (_, k) in lengths.items()}
     assert all(record.preemptions == 0 for record in served.records.values())
+    # min_kept: a prompt no longer than it is served whole (the tokens of ratio 0, never compacted), a longer one keeps
+    # at least min_kept entries per head at every compaction, within the pool's bound
+    floor = serve(
+        llm,
+        {
+            "floor-short": (prompt_ids[:216], params({"min_kept": 256}, 8)),
+            "floor-whole": (prompt_ids[:216], params({"compression_ratio": 0}, 8)),
+            "floor-long": (prompt_ids[:1200], params({"min_kept": 128}, 8)),
+        },
+    )
+    assert floor.tokens["floor-short"] == floor.tokens["floor-whole"] and "floor-short" not in floor.records
+    stages = plan_of({**options, "min_kept": 128}, 1200)
+    assert all(stage.kept >= 128 for stage in stages) and 128 <= stages[-1].kept < 128 + BLOCK_SIZE
+    assert plan_of(options, 1200)[-1].kept < 128  # without the floor, fewer
+    record = floor.records["floor-long"]
+    assert record.compactions == len(stages) and record.kept_per_head == stages[-1].kept

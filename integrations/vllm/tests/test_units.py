@@ -179,20 +179,21 @@ def test_decoding_schedule_holds_a_generation_to_its_target(
     assert plan.after(n_tokens, n_tokens + 10 * interval) is not None and plan.stage(len(stages), n_tokens) is None
 
 
-@pytest.mark.parametrize("ratio, compression_chunk_size, interval, target", [
-    (0.5, 256, 128, 256), (0.75, 512, 65, 100), (0.9, 128, 300, 64), (0.25, 1000, 128, 512),
+@pytest.mark.parametrize("ratio, compression_chunk_size, interval, target, min_kept", [
+    (0.5, 256, 128, 256, 0), (0.75, 512, 65, 100, 0), (0.9, 128, 300, 64, 0), (0.25, 1000, 128, 512, 0),
+    (0.9, 256, 128, 128, 256), (0.75, 128, 65, 300, 200),
 ])  # fmt: skip
 @pytest.mark.parametrize("press", ["critical_snapkv", "knorm"])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_hold_bound_holds_every_request_whatever_its_prompt(
-    ratio, compression_chunk_size, interval, target, press, block_size
+    ratio, compression_chunk_size, interval, target, min_kept, press, block_size
 ):
     """What a request holds at most over its life (every chunk, every decoding interval, up to max_len tokens) for
     prompts of every length: never over hold_bound, which is at most the next allocation's margin over it."""
     max_len = 6000
     options = CompressionOptions(
         press=press, compression_ratio=ratio, compression_chunk_size=compression_chunk_size,
-        compression_interval=interval, target_size=target,
+        compression_interval=interval, target_size=target, min_kept=min_kept,
     )  # fmt: skip
     bound = hold_bound(options, max_len, block_size)
     assert bound is not None and bound < -(-max_len // block_size)
@@ -204,6 +205,32 @@ def test_hold_bound_holds_every_request_whatever_its_prompt(
     assert max(peaks) <= bound - margin
     # not looser than where a prompt's chunks fall (the worst case is a chunk ending near max_len) and the rounding
     assert bound - margin - max(peaks) <= margin + 1, (bound - margin, max(peaks))
+
+
+@pytest.mark.parametrize("compression_chunk_size", [0, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_min_kept_leaves_short_prompts_whole_and_floors_every_compaction(compression_chunk_size, block_size):
+    """``min_kept``: a prompt of at most ``min_kept`` tokens is not compacted (with its reason); a longer one keeps
+    ``max(min_kept, int(N * (1 - ratio)))`` entries per head, in whole blocks, chunked or not; decoding goes back to
+    ``max(target_size, min_kept)``; without it, nothing changes."""
+    min_kept, ratio = 256, 0.9
+    options = CompressionOptions(
+        compression_ratio=ratio, window_size=32, compression_chunk_size=compression_chunk_size,
+        compression_interval=64, target_size=96, min_kept=min_kept,
+    )  # fmt: skip
+    for n_prompt in (100, 216, 256):
+        stages, reason = schedule(options, n_prompt, block_size)
+        assert stages == () and f"not longer than min_kept ({min_kept})" in reason
+        # the same prompt is compressed at the ratio alone
+        assert schedule(replace(options, min_kept=0), n_prompt, block_size)[0]
+    for n_prompt in (300, 777, 2600, 5000):
+        budget = max(min_kept, int(n_prompt * (1 - ratio)))
+        last = schedule(options, n_prompt, block_size)[0][-1]
+        assert last.seen == n_prompt and last.budget == budget and budget <= last.kept < budget + block_size
+        assert all(stage.kept >= min(min_kept, stage.seen) for stage in schedule(options, n_prompt, block_size)[0])
+        decoding = [s for s in Schedule(options, n_prompt, block_size).upto(n_prompt + 2000) if s.phase == "decoding"]
+        assert decoding and all(s.budget == min_kept and min_kept <= s.kept < min_kept + block_size for s in decoding)
+    assert eviction(replace(options, min_kept=0), 2600, block_size).budget == int(2600 * (1 - ratio))
 
 
 def test_hold_bound_needs_every_schedule():
@@ -233,6 +260,7 @@ def test_a_request_that_could_outgrow_a_small_pool_is_refused():
         (replace(options, compression_ratio=0.0), "compression_ratio", "its whole 3072"),
         (replace(options, compression_ratio=0.5), "compression_ratio", f"up to {half} blocks"),
         (replace(options, target_size=900), "target_size", "up to"),
+        (replace(options, min_kept=1000), "min_kept", "up to"),
         (replace(options, compression_chunk_size=1024), "compression_chunk_size", "up to"),
     ]
     for changed, option, held in cases:
@@ -258,6 +286,8 @@ def test_decoding_options_are_checked():
         ({"press": "critical_adakv_snapkv", "compression_interval": 128, "target_size": 256}, "head-wise layout"),
         ({"compression_interval": -1, "target_size": 1}, "compression_interval=-1 is not allowed"),
         ({"compression_interval": 100, "target_size": 2.5}, "target_size=2.5 is not allowed"),
+        ({"min_kept": -1}, "min_kept=-1 is not allowed"),
+        ({"min_kept": True}, "min_kept=True is not allowed"),
     ]
     for overrides, message in cases:
         with pytest.raises(OptionsError, match=re.escape(message)):
