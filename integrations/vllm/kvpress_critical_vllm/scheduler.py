@@ -20,84 +20,24 @@ What it did is reported three ways: one log line per request, a bounded window o
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from dataclasses import dataclass
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request, RequestStatus
 
-from kvpress_critical_vllm.budget import Eviction, Schedule, blocks_for, blocks_held_at_most, next_step_blocks
+from kvpress_critical_vllm.budget import Eviction, Schedule, blocks_for
 from kvpress_critical_vllm.engine_config import EngineConfigError
 from kvpress_critical_vllm.kv_spec import CompressedFullAttentionSpec
 from kvpress_critical_vllm.metrics import MetricsWriter
 from kvpress_critical_vllm.options import CompressionOptions, OptionsError, engine_options, resolve_options
+from kvpress_critical_vllm.pool_guard import PoolGuard
 from kvpress_critical_vllm.protocol import DIRECTIVES_ATTRIBUTE, REPORT_ATTRIBUTE, Compact, StepDirectives
+from kvpress_critical_vllm.tracking import RECORDS_KEPT, BoundedRecords, CompressionRecord, Tracked, compaction_line
 from kvpress_critical_vllm.vllm_compat import discard_sampled_tokens, free_blocks, real_blocks_held, remove_blocks
 
 # under vLLM's logger, so that the lines appear in vLLM's log at its level (VLLM_LOGGING_LEVEL)
 logger = logging.getLogger(f"vllm.{__name__}")
-
-RECORDS_KEPT = 1024  # the latest compressed requests kept in scheduler.kvpress_records
-
-
-@dataclass
-class CompressionRecord:
-    """What happened to one compressed request (``scheduler.kvpress_records`` in-process, or the log line)."""
-
-    request_id: str
-    press: str
-    compression_ratio: float
-    prompt_tokens: int  # tokens seen when it was last compacted (the prompt's, its chunks' so far, or while decoding)
-    kept_per_head: int  # on average over the KV heads (every head's count with a uniform press)
-    kept_min: int  # the fewest entries a KV head of some layer keeps
-    kept_max: int  # the most
-    blocks_freed: int  # by all its compactions so far
-    blocks_before: int  # blocks it held before the latest one
-    preemptions: int
-    compaction: int = 1  # the latest compaction of the request ...
-    # ... of this many (one per prompt chunk with compression_chunk_size); 0 while decoding (open-ended)
-    compactions: int = 1
-    phase: str = "prompt"  # of the latest compaction: "prompt" or "decoding"
-
-
-class BoundedRecords(OrderedDict):
-    """The latest ``maxlen`` records by request id (older ones are dropped: counters keep the totals)."""
-
-    def __init__(self, maxlen: int):
-        super().__init__()
-        self.maxlen = maxlen
-
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
-        self.move_to_end(key)
-        while len(self) > self.maxlen:
-            self.popitem(last=False)
-
-
-@dataclass
-class Tracked:
-    """The plugin's view of one request, from its arrival to its end."""
-
-    options: CompressionOptions
-    schedule: Schedule  # its compactions, in order: its prompt's, then (compression while decoding) its decoding ones
-    life: int = 0  # the request's num_preemptions the two counts below are for (a preempted request starts over)
-    directed: int = 0  # compactions sent to the workers in this life
-    confirmed: int = 0  # ... and confirmed by them
-    counted: bool = False  # in requests_compressed_total already
-
-    def live(self, preemptions: int) -> "Tracked":
-        """Start the counts over when the request was preempted since they were last set."""
-        if preemptions != self.life:
-            self.life, self.directed, self.confirmed = preemptions, 0, 0
-        return self
-
-    def next_end(self, computed: int, limit: int) -> int | None:
-        """The first compaction position after ``computed`` tokens, up to ``limit`` (where a step's tokens of the
-        request stop)."""
-        stage = self.schedule.after(computed, limit)
-        return stage.seen if stage is not None else None
 
 
 class CompressingSchedulerMixin:
@@ -123,7 +63,6 @@ class CompressingSchedulerMixin:
         self.kvpress_records: BoundedRecords = BoundedRecords(RECORDS_KEPT)
         self.kvpress_metrics = MetricsWriter(self.vllm_config)
         self._kvpress_worker_tracked = 0
-        self._kvpress_reserve_full_isl = self.scheduler_reserve_full_isl  # vLLM's admission of whole sequences
         logger.info(
             "kvpress_critical: blocks of %d tokens: a compressed request keeps up to %d entries per KV head over its "
             "budget, and a prompt that would evict less than one block stays uncompressed; a request with "
@@ -133,9 +72,12 @@ class CompressingSchedulerMixin:
         )
         bound = getattr(spec, "max_blocks_held", None)
         # longer than the pool (max_model_len over the pool's tokens): a request held whole may never fit again
-        self._kvpress_longer_than_pool = bound is not None
-        self._kvpress_pool_blocks = self.kv_cache_config.num_blocks - 1  # less vLLM's null block
-        self._kvpress_unservable: dict[str, str] = {}  # request id -> why it ends with an error at the next output
+        self._kvpress_pool = PoolGuard(
+            self.kvpress_block_size,
+            self.kv_cache_config.num_blocks - 1,  # less vLLM's null block
+            longer_than_pool=bound is not None,
+            reserve_full_isl=self.scheduler_reserve_full_isl,  # vLLM's admission of whole sequences
+        )
         if bound is not None:
             options, max_model_len = self.kvpress_options, self.vllm_config.model_config.max_model_len
             logger.info(
@@ -146,14 +88,14 @@ class CompressingSchedulerMixin:
                 "the pool's %d blocks is refused",
                 bound, options.compression_chunk_size, options.compression_interval, options.target_size,
                 options.min_kept, options.compression_ratio, blocks_for(max_model_len, spec.block_size), max_model_len,
-                self.kv_cache_config.num_blocks - 1,
+                self._kvpress_pool.pool_blocks,
             )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------- requests
     @property
     def kvpress_tracked_requests(self) -> int:
-        """Requests the plugin keeps state for in the scheduler (0 when idle)."""
-        return len(self._kvpress)
+        """Requests the plugin keeps state for in the scheduler (0 when idle): tracked, or to end with an error."""
+        return len(self._kvpress.keys() | self._kvpress_pool.unservable.keys())
 
     def _leave_uncompressed(self, request_id: str, why: str, kind: str = "not_compacted") -> None:
         """Say once, in the log and the counters (``kind``), why a request keeps its whole cache."""
@@ -163,26 +105,11 @@ class CompressingSchedulerMixin:
 
     def _fall_back(self, request: Request, why: str, kind: str = "not_compacted") -> None:
         """A request the plugin stops compressing: it keeps its whole cache from here on (:meth:`_leave_uncompressed`),
-        and, longer than the pool, ends with an error where its whole sequence cannot fit (:meth:`_check_whole`)."""
+        and, longer than the pool, ends with an error where its whole sequence cannot fit
+        (:meth:`~kvpress_critical_vllm.pool_guard.PoolGuard.check_whole`)."""
         self._forget(request.request_id)
         self._leave_uncompressed(request.request_id, why, kind)
-        self._check_whole(request)
-
-    def _check_whole(self, request: Request) -> None:
-        """
-        With a ``max_model_len`` longer than the pool, a request held whole whose prompt and ``max_tokens`` do not
-        fit the pool could grow past it, be preempted and never be admitted again (vLLM admits a whole sequence, and
-        its waiting queue stops at the first request it cannot admit): such a request ends with an error at the next
-        step's output (``finish_reason`` error, its blocks back), and the engine goes on admitting the others.
-        """
-        if not self._kvpress_longer_than_pool:
-            return
-        whole = blocks_for(request.num_prompt_tokens + request.max_tokens, self.kvpress_block_size)
-        if whole > self._kvpress_pool_blocks:
-            self._kvpress_unservable[request.request_id] = (
-                f"it runs uncompressed, and its {request.num_prompt_tokens} prompt tokens and max_tokens "
-                f"{request.max_tokens} ({whole} blocks) do not fit the KV pool's {self._kvpress_pool_blocks} blocks"
-            )
+        self._kvpress_pool.check_whole(request)
 
     def add_request(self, request: Request) -> None:
         request_id = request.request_id
@@ -203,7 +130,7 @@ class CompressingSchedulerMixin:
             if options.compresses:
                 why = "its prompt can still grow (streaming input), and the plugin compresses a whole prompt"
                 self._leave_uncompressed(request_id, why, "streaming_input")
-            self._check_whole(request)
+            self._kvpress_pool.check_whole(request)
             return
         plan = Schedule(options, request.num_prompt_tokens, self.kvpress_block_size)
         if plan.empty:
@@ -272,26 +199,14 @@ class CompressingSchedulerMixin:
         return num_new_tokens
 
     def _admit(self, request: Request, tracked: Tracked | None, num_new_tokens: int) -> int:
-        """
-        Admission of a waiting (or preempted) request, called just before vLLM allocates its first blocks: vLLM admits
-        a request only when its whole sequence fits in the free blocks (``scheduler_reserve_full_isl``); a request
-        compacted after every prompt chunk, or while decoding (a preempted one recomputes its outputs with the same
-        compactions), is admitted when what it holds at most fits
-        (:func:`~kvpress_critical_vllm.budget.blocks_held_at_most`; with async scheduling, and the next step's chunk
-        allocated before a compaction's blocks are back), and vLLM's whole-sequence check is skipped for it alone
-        (the flag is read by the allocation that follows this call).
-        """
-        bounded = tracked is not None and (tracked.options.compression_chunk_size > 0 or tracked.options.decoding)
-        self.scheduler_reserve_full_isl = self._kvpress_reserve_full_isl and not bounded
-        if not bounded or not self._kvpress_reserve_full_isl:
-            return num_new_tokens
-        stages = tracked.schedule.upto(request.num_tokens)
-        needed = blocks_held_at_most(stages, request.num_tokens, self.kvpress_block_size)
-        if isinstance(self, AsyncScheduler):  # as hold_bound counts
-            needed += next_step_blocks(tracked.options, self.kvpress_block_size)
-        if needed > free_blocks(self):
-            return 0  # vLLM then stops admitting, as when a request's blocks cannot be allocated
-        return num_new_tokens
+        """Admission of a waiting (or preempted) request, just before vLLM allocates its first blocks
+        (:meth:`~kvpress_critical_vllm.pool_guard.PoolGuard.admit`): 0 tokens when what it holds at most does not fit
+        (vLLM then stops admitting, as when a request's blocks cannot be allocated); vLLM's whole-sequence check is set
+        for the allocation that follows this call."""
+        admitted, self.scheduler_reserve_full_isl = self._kvpress_pool.admit(
+            request, tracked, free_blocks(self), isinstance(self, AsyncScheduler)
+        )
+        return num_new_tokens if admitted else 0
 
     # ---------------------------------------------------------------------------------------------------- output
     def update_from_output(self, scheduler_output, model_runner_output):
@@ -312,7 +227,7 @@ class CompressingSchedulerMixin:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if broken:
             self._end_with_error(broken, outputs)
-        if self._kvpress_longer_than_pool:
+        if self._kvpress_pool.longer_than_pool:
             self._end_unservable(outputs)
         self.kvpress_metrics.tracked(len(self._kvpress), self._kvpress_worker_tracked)
         self.kvpress_metrics.flush(force=not self.has_unfinished_requests())
@@ -344,22 +259,13 @@ class CompressingSchedulerMixin:
             self._free_evicted(request, tracked, directive.eviction, done)
 
     def _end_unservable(self, outputs: dict) -> None:
-        """End with an error the requests :meth:`_check_whole` found, and any waiting request held whole that can never
-        be admitted again (its tokens so far are more than the pool holds)."""
-        for request in self.waiting:
-            if request.request_id not in self._kvpress and request.request_id not in self._kvpress_unservable:
-                held = blocks_for(request.num_tokens, self.kvpress_block_size)
-                if held > self._kvpress_pool_blocks:
-                    self._kvpress_unservable[request.request_id] = (
-                        f"it is held whole, and its {request.num_tokens} tokens ({held} blocks) are more than the KV "
-                        f"pool's {self._kvpress_pool_blocks} blocks"
-                    )
-        if not self._kvpress_unservable:
-            return
-        unservable, self._kvpress_unservable = self._kvpress_unservable, {}
+        """End with an error the requests that can never fit the pool
+        (:meth:`~kvpress_critical_vllm.pool_guard.PoolGuard.take_unservable`)."""
+        unservable = self._kvpress_pool.take_unservable(self.waiting, self._kvpress)
         for request_id, why in unservable.items():
             logger.warning("kvpress_critical: request %s ends with an error: %s", request_id, why)
-        self._end_with_error(list(unservable), outputs)
+        if unservable:
+            self._end_with_error(list(unservable), outputs)
 
     def _end_with_error(self, request_ids: list[str], outputs: dict) -> None:
         """End requests with an error their client receives (a compaction that changed their cache in part, or a
@@ -410,26 +316,7 @@ class CompressingSchedulerMixin:
             request_done=first and (last or decoding),
             decoding=decoding,
         )
-        spread = f" (head-wise: {done.kept_min} to {done.kept_max})" if options.head_wise else ""
-        where = f"prompt {plan.seen} tokens"
-        if plan.count > 1:
-            where = f"compaction {plan.index} of {plan.count} (prompt chunks to {plan.seen} tokens)"
-        elif decoding:
-            where = f"decoding compaction {plan.index} (at {plan.seen} tokens, every {options.compression_interval})"
-        logger.info(
-            "kvpress_critical: request %s: %s, %d entries kept per KV head%s (%s, %s, budget %d), %d of %d "
-            "blocks freed%s",
-            request.request_id,
-            where,
-            plan.kept,
-            spread,
-            options.press,
-            f"target_size {options.target_size}" if decoding else f"compression_ratio {options.compression_ratio:.3g}",
-            plan.budget,
-            plan.blocks_freed,
-            blocks_before,
-            f" (after {request.num_preemptions} preemption(s))" if request.num_preemptions else "",
-        )
+        logger.info("kvpress_critical: request %s: %s", request.request_id, compaction_line(record, plan, options))
 
     def shutdown(self) -> None:
         self.kvpress_metrics.close()
