@@ -6,7 +6,8 @@ request per prompt: its own plugin options and sampling) and writes ``JOB.json.o
 selections recorded by each rank (after each request's last compaction), the scheduler class, how many compactions
 each rank did and how many requests each rank still tracks once the batch is done (0: nothing left behind). A job
 may hold a ``"then"`` job: another engine configuration, started once the first is shut down (its result under
-``"then"``), so that one process serves several configurations.
+``"then"``), so that one process serves several configurations. With ``"count_preemptions": true`` the engine keeps
+its statistics and the result holds how many times vLLM preempted a request (``vllm:num_preemptions``).
 
 vLLM's CPU platform turns async scheduling off (``CpuPlatform.check_and_update_config``: "not required on CPU"),
 while it is vLLM's default on GPUs; with ``async_scheduling`` this script keeps it on through that hook so that the
@@ -36,6 +37,8 @@ def run(job: dict) -> dict:
     if job.get("async_scheduling"):
         keep_async_scheduling()
         engine["async_scheduling"] = True
+    if job.get("count_preemptions"):
+        engine["disable_log_stats"] = False
     from vllm import LLM
 
     llm = LLM(**engine, additional_config={"kvpress_critical": job["plugin"]})
@@ -61,6 +64,9 @@ def serve_job(llm, job: dict) -> dict:
         for request in job["requests"]
     ]
     outputs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params)
+    preemptions = None
+    if job.get("count_preemptions"):
+        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     by_rank = llm.collective_rpc("kvpress_critical_selections")
     order = {o.request_id: i for i, o in enumerate(outputs)}
     # one more step: the workers learn which requests finished with the next step's scheduler output
@@ -78,6 +84,7 @@ def serve_job(llm, job: dict) -> dict:
         "scheduler": str(llm.llm_engine.vllm_config.scheduler_config.scheduler_cls),
         "compacted": llm.collective_rpc("kvpress_critical_compacted"),
         "tracked": llm.collective_rpc("kvpress_critical_tracked"),
+        "preemptions": preemptions,
     }
 
 

@@ -65,7 +65,12 @@ BOUNDED_REQUESTS = [
     {"start": 0, "length": 1200, "max_tokens": 32},
     {"start": 300, "length": 250, "max_tokens": 150},
     {"start": 600, "length": 300, "max_tokens": 150},
-]
+] + [  # and four compressed while decoding only, which outgrow the pool together as they generate: vLLM preempts
+    {"start": 61 * i, "length": 128, "max_tokens": 40, "options": {
+        "window_size": 32, "compression_chunk_size": 0, "compression_ratio": 0.0, "compression_interval": 36,
+        "target_size": 64,
+    }} for i in range(4)
+]  # fmt: skip
 
 
 def bounded_prompts(ids: list[int]) -> list[list[int]]:
@@ -85,9 +90,11 @@ def async_scheduling_job(tmp_path_factory) -> background.Job:
     batch), then the bounded engine's (longer than the pool)."""
     ids = token_ids()
     rows = [row.prompt(ids) for row in ASYNC_ROWS]
-    bounded = [{"max_tokens": r["max_tokens"], "ignore_eos": True} for r in BOUNDED_REQUESTS]
+    bounded = [
+        {"max_tokens": r["max_tokens"], "ignore_eos": True, "options": r.get("options", {})} for r in BOUNDED_REQUESTS
+    ]
     job = engine_job("default", True, rows, job_requests(ASYNC_ROWS), ids)
-    job["then"] = engine_job("bounded", True, bounded_prompts(ids), bounded, ids)
+    job["then"] = {**engine_job("bounded", True, bounded_prompts(ids), bounded, ids), "count_preemptions": True}
     return engine_process_job(tmp_path_factory.mktemp("async-scheduling"), **job)
 
 
@@ -107,13 +114,21 @@ def test_async_scheduling_in_an_engine_process(mixed_batch, background_job):
 @pytest.mark.background("async-scheduling")
 def test_async_scheduling_longer_than_the_pool(bounded_engine, prompt_ids, background_job):
     """Async scheduling allocates a step's blocks before the previous step's compaction frees its own: admission
-    counts the extra chunk (as the bound does), and requests longer than the pool, held to their bounds, give the
-    synchronous engine's tokens, compactions included, with nothing tracked after."""
+    counts the extra chunk (as the bound does), and requests longer than the pool, held to their bounds, and requests
+    compressed while decoding that vLLM preempts (recomputed with the same compactions) give the synchronous engine's
+    tokens, compactions included, with nothing tracked after."""
     from vllm import SamplingParams
 
     result = result_of(background_job)["then"]
     assert "CriticalKVAsyncScheduler" in result["scheduler"] and result["tracked"] == [0]
-    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0, ignore_eos=True) for r in BOUNDED_REQUESTS]
+    assert result["preemptions"] > 0, "the async engine was meant to preempt"
+    params = [
+        SamplingParams(
+            max_tokens=r["max_tokens"], temperature=0, ignore_eos=True,
+            extra_args={"kvpress_critical": r.get("options", {})},
+        )
+        for r in BOUNDED_REQUESTS
+    ]  # fmt: skip
     before = bounded_engine.collective_rpc("kvpress_critical_compacted")[0]
     requests = {f"bounded-sync-{i}": (p, q) for i, (p, q) in enumerate(zip(bounded_prompts(prompt_ids), params))}
     served = serve(bounded_engine, requests)
