@@ -22,7 +22,6 @@ if __name__ == "__main__":
         block_size=32,  # the plugin frees whole blocks: smaller blocks free closer to the budget (CPU default 128)
         kv_cache_memory_bytes=256 * 2**20,  # vLLM's CPU default sizes the pool from the machine's memory
         max_model_len=2048,
-        enable_prefix_caching=False,  # required by the plugin
         additional_config={"kvpress_critical": {"press": "critical_snapkv", "compression_ratio": 0.5}},
     )
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text() * 4

@@ -14,11 +14,12 @@ Modules: :mod:`.options` (what a user asks for), :mod:`.budget` (how many entrie
 :mod:`.presses` (which entries), :mod:`.engine_config` (what the engine must be), :mod:`.kv_spec` (what a request
 holds at most), :mod:`.scheduler` (directing compactions, freeing blocks), :mod:`.tracking` (each request's progress
 and records), :mod:`.pool_guard` (admission by what a request holds at most, requests that can never fit),
-:mod:`.attention` and :mod:`.layouts` (the attention view and the paged layouts), :mod:`.worker` and
-:mod:`.worker_state` (the requests a worker compressed), :mod:`.step_plan` (each step's rows), :mod:`.compaction`
-(selections and writes), :mod:`.head_wise_attention`, :mod:`.records` (recorded selections), :mod:`.model_weights`
-(``W_O``), :mod:`.protocol` (directives and reports), :mod:`.metrics` (counters), :mod:`.vllm_compat` (vLLM's
-internals), :mod:`.plugin` (the entry point). See docs/vllm.md.
+:mod:`.prefix_cache` (vLLM's prefix cache beside compaction), :mod:`.attention` and :mod:`.layouts` (the attention
+view and the paged layouts), :mod:`.worker` and :mod:`.worker_state` (the requests a worker compressed),
+:mod:`.step_plan` (each step's rows), :mod:`.compaction` (selections and writes), :mod:`.head_wise_attention`,
+:mod:`.records` (recorded selections), :mod:`.model_weights` (``W_O``), :mod:`.protocol` (directives and reports),
+:mod:`.metrics` (counters), :mod:`.vllm_compat` (vLLM's internals), :mod:`.plugin` (the entry point). See
+docs/vllm.md.
 """
 
 from kvpress_critical._version import __version__

@@ -132,12 +132,6 @@ def check_engine_config(vllm_config, cudagraph_requested: bool = True) -> Compre
                 "needs",
                 "Serve the unquantized model (the transformers presses dequantize bitsandbytes and fp8 o_proj)",
             )
-    if cache.enable_prefix_caching:
-        raise _refuse(
-            "prefix caching shares KV blocks between requests by the hash of their tokens, and a compressed "
-            "request rewrites its blocks in place after its prefill",
-            "Pass enable_prefix_caching=False to LLM(...) or --no-enable-prefix-caching to the server",
-        )
     if cache.cache_dtype != "auto":
         raise _refuse(
             f"kv_cache_dtype={cache.cache_dtype!r}: scoring reads the cached keys and values back, which the plugin "

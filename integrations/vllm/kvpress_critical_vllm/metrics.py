@@ -13,9 +13,11 @@ Exposed (labels: ``model_name``):
   ``vllm:kvpress_critical_entries_kept_total`` (kept entries over all layers and KV heads),
   ``vllm:kvpress_critical_blocks_freed_total``, ``vllm:kvpress_critical_compactions_total`` and, among them,
   ``vllm:kvpress_critical_decoding_compactions_total`` (compression while decoding),
-  ``vllm:kvpress_critical_requests_failed_total`` (requests the plugin ended with an error);
+  ``vllm:kvpress_critical_requests_failed_total`` (requests the plugin ended with an error),
+  ``vllm:kvpress_critical_blocks_unhashed_total`` (blocks compactions took out of vLLM's prefix cache);
 - ``vllm:kvpress_critical_requests_uncompressed_total`` (label ``reason``: ``ratio_zero``, ``short_prompt``,
-  ``streaming_input``, ``invalid_options``, ``not_compacted``);
+  ``streaming_input``, ``invalid_options``, ``not_compacted``, ``shared_prefix``: a block its compaction would rewrite
+  is held by another request through vLLM's prefix cache);
 - gauges ``vllm:kvpress_critical_scheduler_tracked_requests`` and ``vllm:kvpress_critical_worker_tracked_requests``:
   the requests the plugin keeps state for (0 once the engine is idle).
 
@@ -43,6 +45,7 @@ COUNTERS = {
     "compactions": "Compactions of a request's KV cache (one per request, or one per prompt chunk with "
     "compression_chunk_size).",
     "decoding_compactions": "Compactions while decoding (compression_interval), among compactions.",
+    "blocks_unhashed": "KV blocks compactions took out of vLLM's prefix cache (rewritten, so never served as a hit).",
     "requests_failed": "Requests the plugin ended with an error (a compaction broken midway, or, with a max_model_len "
     "longer than the pool, a request held whole that cannot fit it).",
 }
@@ -51,7 +54,9 @@ GAUGES = {
     "worker_tracked_requests": "Requests the plugin's workers keep state for.",
 }
 UNCOMPRESSED = "requests_uncompressed"
-UNCOMPRESSED_REASONS = ("ratio_zero", "short_prompt", "streaming_input", "invalid_options", "not_compacted")
+UNCOMPRESSED_REASONS = (
+    "ratio_zero", "short_prompt", "streaming_input", "invalid_options", "not_compacted", "shared_prefix"
+)  # fmt: skip
 FLUSH_SECONDS = 0.5
 
 
@@ -98,6 +103,10 @@ class MetricsWriter:
         self.counters["entries_kept"] += entries_kept
         self.counters["blocks_freed"] += blocks_freed
         self._dirty = True
+
+    def unhashed(self, blocks: int) -> None:
+        self.counters["blocks_unhashed"] += blocks
+        self._dirty = blocks > 0 or self._dirty
 
     def failed(self, requests: int) -> None:
         self.counters["requests_failed"] += requests

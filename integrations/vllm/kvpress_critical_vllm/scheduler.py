@@ -32,6 +32,7 @@ from kvpress_critical_vllm.kv_spec import CompressedFullAttentionSpec
 from kvpress_critical_vllm.metrics import MetricsWriter
 from kvpress_critical_vllm.options import CompressionOptions, OptionsError, engine_options, resolve_options
 from kvpress_critical_vllm.pool_guard import PoolGuard
+from kvpress_critical_vllm.prefix_cache import PrefixCacheGuard
 from kvpress_critical_vllm.protocol import DIRECTIVES_ATTRIBUTE, REPORT_ATTRIBUTE, Compact, StepDirectives
 from kvpress_critical_vllm.tracking import RECORDS_KEPT, BoundedRecords, CompressionRecord, Tracked, compaction_line
 from kvpress_critical_vllm.vllm_compat import discard_sampled_tokens, free_blocks, real_blocks_held, remove_blocks
@@ -70,6 +71,7 @@ class CompressingSchedulerMixin:
             self.kvpress_block_size,
             self.kvpress_block_size - 1,
         )
+        self._kvpress_prefix = PrefixCacheGuard(self, self.kvpress_metrics)
         bound = getattr(spec, "max_blocks_held", None)
         # longer than the pool (max_model_len over the pool's tokens): a request held whole may never fit again
         self._kvpress_pool = PoolGuard(
@@ -143,6 +145,7 @@ class CompressingSchedulerMixin:
                 request_id, plan.reason,
             )  # fmt: skip
         self._kvpress[request_id] = Tracked(options, plan)
+        self._kvpress_prefix.track(request)
         self.kvpress_metrics.tracked(len(self._kvpress), self._kvpress_worker_tracked)
 
     def _forget(self, request_id: str) -> None:
@@ -177,6 +180,10 @@ class CompressingSchedulerMixin:
             if plan is None:
                 continue  # compacted in this life of the request as far as it goes, or about to be
             if end == plan.seen:
+                shared = self._kvpress_prefix.before_compaction(self, request_id, plan)
+                if shared:
+                    self._fall_back(request, shared, "shared_prefix")
+                    continue
                 tracked.directed += 1
                 directives.compact[request_id] = Compact(request_id, tracked.options, plan)
             elif start < plan.seen < end:  # the scheduler's chunks stop at each compaction: never expected

@@ -56,6 +56,18 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
         "method(request_id, first_block, last_block)",
     ),
     ("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks", "method()"),
+    # prefix caching (prefix_cache.py): a compaction's rewritten blocks leave the index, shared ones are never written
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.enable_caching", "attribute"),
+    ("vllm.v1.core.block_pool", "BlockPool._maybe_evict_cached_block", "method(block)"),
+    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager.num_cached_block", "attribute"),
+    (
+        "vllm.v1.core.single_type_kv_cache_manager",
+        "SingleTypeKVCacheManager.cache_blocks",
+        "method(request, num_tokens)",
+    ),
+    ("vllm.v1.core.kv_cache_utils", "KVCacheBlock.ref_cnt", "attribute"),
+    ("vllm.v1.core.kv_cache_utils", "KVCacheBlock.block_hash", "attribute"),
+    ("vllm.v1.request", "Request.skip_reading_prefix_cache", "attribute"),
     ("vllm.v1.request", "Request", "class"),
     ("vllm.v1.request", "RequestStatus", "class"),
     *_attributes(
@@ -152,6 +164,48 @@ def remove_blocks(scheduler, request_id: str, first_token: int, end_token: int) 
     block in its table, as vLLM's sliding-window manager does)."""
     for manager in managers(scheduler):
         manager._remove_blocks_in_range(request_id, first_token // manager.block_size, end_token // manager.block_size)
+
+
+# ------------------------------------------------------------------------------------------------ prefix caching
+NEVER_CACHED = 1 << 62  # a request's count of cached blocks that no block index reaches
+
+
+def prefix_caching(scheduler) -> bool:
+    """Whether the engine's prefix cache is on (``enable_prefix_caching``)."""
+    return bool(scheduler.kv_cache_manager.enable_caching)
+
+
+def skip_prefix_cache_reads(request) -> None:
+    """The request takes no prefix-cache hit: it computes its whole prompt (vLLM's flag for prompt logprobs)."""
+    request.skip_reading_prefix_cache = True
+
+
+def _blocks(scheduler, request_id: str, first_block: int, end_block: int) -> list:
+    held = managers(scheduler)[0].req_to_blocks.get(request_id, ())
+    return [block for block in held[first_block:end_block] if block is not None and not block.is_null]
+
+
+def shared_blocks(scheduler, request_id: str, first_block: int, end_block: int) -> int:
+    """Blocks ``first_block .. end_block - 1`` of a request that another request holds too (a prefix-cache hit)."""
+    return sum(block.ref_cnt > 1 for block in _blocks(scheduler, request_id, first_block, end_block))
+
+
+def unhash_blocks(scheduler, request_id: str, first_block: int, end_block: int) -> int:
+    """Take blocks ``first_block .. end_block - 1`` of a request out of the prefix cache's index (no later request
+    can hit them); the number that were in it."""
+    pool = scheduler.kv_cache_manager.block_pool
+    return sum(
+        bool(pool._maybe_evict_cached_block(block)) for block in _blocks(scheduler, request_id, first_block, end_block)
+    )
+
+
+def stop_caching(scheduler, request_id: str) -> None:
+    """No block of the request enters the prefix cache's index from now on: vLLM caches a request's full blocks from
+    its count of cached blocks up (``cache_blocks``), and the count is set past any block (vLLM forgets it when the
+    request is freed or preempted)."""
+    for manager in managers(scheduler):
+        if request_id in manager.num_cached_block:
+            manager.num_cached_block[request_id] = NEVER_CACHED
 
 
 def discard_sampled_tokens(model_runner_output, request_ids: Iterable[str]) -> None:

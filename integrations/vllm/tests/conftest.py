@@ -93,6 +93,13 @@ ENGINES = {
         },
         kv_cache_memory_bytes=pool_of(16),
     ),  # fmt: skip
+    # vLLM's prefix cache on: every uncompressed request may take hits, which the other engines' exactness tests
+    # (answers computed from scratch) assume away; the default engine, with it off, is this one's reference
+    "prefix_cache": dict(
+        plugin={**ENGINE_OPTIONS, "record_selections": True},
+        kv_cache_memory_bytes=pool_of(160),
+        enable_prefix_caching=True,
+    ),  # fmt: skip
 }
 
 # in-process engines share the process's distributed state, which shutting one down (or collecting it) tears down for
@@ -186,6 +193,7 @@ engine = _checked_engine("default")
 chunked_prefill_engine = _checked_engine("chunked_prefill")
 small_pool_engine = _checked_engine("small_pool")
 bounded_engine = _checked_engine("bounded")
+prefix_cache_engine = _checked_engine("prefix_cache")
 
 
 def step_limit(scheduler) -> int:

@@ -38,7 +38,6 @@ def test_an_engine_without_the_plugin_is_untouched():
 @pytest.mark.parametrize(
     "overrides,fix",
     [
-        ({"enable_prefix_caching": True}, "--no-enable-prefix-caching"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='auto'"),
         (
             {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
@@ -49,7 +48,7 @@ def test_an_engine_without_the_plugin_is_untouched():
         ({"scheduler_cls": "vllm.v1.core.sched.scheduler.Scheduler"}, "Drop scheduler_cls"),
         ({"worker_cls": "my_package.MyWorker"}, "Leave worker_cls unset"),
     ],
-    ids=["prefix-caching", "fp8-cache", "speculative", "kv-connector", "lora", "scheduler-cls", "worker-cls"],
+    ids=["fp8-cache", "speculative", "kv-connector", "lora", "scheduler-cls", "worker-cls"],
 )
 def test_unsupported_engine_options_refuse(overrides, fix):
     with pytest.raises(EngineConfigError, match="kvpress_critical cannot compress") as error:

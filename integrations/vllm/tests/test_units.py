@@ -495,6 +495,7 @@ def test_the_metrics_collector_sums_engines_and_drops_dead_gauges(tmp_path, monk
     writers[0].compressed(prompt_tokens=100, entries_kept=90, blocks_freed=2)
     writers[1].compressed(prompt_tokens=50, entries_kept=30, blocks_freed=1)
     writers[1].uncompressed("short_prompt")
+    writers[1].unhashed(4)
     writers[0].tracked(3, 2)
     for writer in writers:
         writer.flush(force=True)
@@ -503,6 +504,7 @@ def test_the_metrics_collector_sums_engines_and_drops_dead_gauges(tmp_path, monk
     assert value["vllm:kvpress_critical_requests_compressed"] == 2
     assert value["vllm:kvpress_critical_blocks_freed"] == 3
     assert value["vllm:kvpress_critical_requests_uncompressed"] == 1
+    assert value["vllm:kvpress_critical_blocks_unhashed"] == 4
     assert value["vllm:kvpress_critical_scheduler_tracked_requests"] == 3
     dead = json.loads(writers[0].path.read_text())
     dead["pid"] = 2**22 + 12345  # no such process: its gauges no longer count, its counters do
