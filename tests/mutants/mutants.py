@@ -116,6 +116,13 @@ MUTANTS = (
         plugin_tests("selection", "engine_features", "head_wise", "chunked"),
     ),
     Mutant(
+        "prefix-cache-keeps-a-rewritten-hash", "scheduler", f"{PLUGIN}/prefix_cache.py",
+        "        self.metrics.unhashed(unhash_blocks(scheduler, request_id, first, end))",
+        "        self.metrics.unhashed(0)",
+        "a hash left on a rewritten block: a later request with the same prefix is served the compacted entries",
+        plugin_tests("prefix_cache"),
+    ),
+    Mutant(
         "layouts-tail-offsets-wrong-head-stride", "layouts", f"{PLUGIN}/layouts.py",
         "        heads = torch.arange(num_kv_heads, device=kv_cache.device)[:, None, None] * block_size * width",
         "        heads = torch.arange(num_kv_heads, device=kv_cache.device)[:, None, None] * block_size * width // 2",
