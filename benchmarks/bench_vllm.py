@@ -16,6 +16,10 @@ table reports the median over repeats and the ratios to stock vLLM measured in t
 requests running at once, preemptions, requests/s, output tokens/s, mean and p90 time per output token (per request:
 from its first to its last token) and mean time to first token. ``--lone-prompt N`` adds, per configuration, the time
 to the first token of one ``N``-token prompt alone in the engine (what compressing after every chunk costs a prefill).
+``--workload documents`` asks each of ``--documents`` documents ``--questions`` questions (requests sharing a prefix),
+``--workload chats`` runs ``--chats`` conversations of ``--turns`` turns, each turn resending the history when the one
+before ends; with ``--prefix-caching`` both engines keep vLLM's prefix cache on, and the table gives the prompt tokens
+served from it and the TTFT's median and p90.
 
 Run it in the plugin's environment (``make bench-vllm BENCH_VLLM_ARGS="..."``):
 
@@ -24,6 +28,9 @@ Run it in the plugin's environment (``make bench-vllm BENCH_VLLM_ARGS="..."``):
     python benchmarks/bench_vllm.py --presses critical_snapkv --ratios 0,0.75 --requests 8 --min-prompt 128 \
         --max-prompt 256 --min-new 512 --max-new 1536 --pool-tokens 1792 --compression-interval 128 --target-size 256
                                                                    # long generations
+    python benchmarks/bench_vllm.py --workload documents --prefix-caching --presses critical_snapkv --ratios 0.75 \
+        --chunk-sizes 0,512 --min-prompt 2048 --max-prompt 4096 --documents 3 --questions 6 --pool-tokens 8192
+                                                                   # a shared document, vLLM's prefix cache on
 """
 
 import argparse
@@ -53,15 +60,31 @@ def text_ids(tokenizer) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def workload(ids: list[int], args, seed: int = 0) -> list[tuple[list[int], int]]:
-    """``(prompt ids, new tokens)`` per request, deterministic in ``seed``."""
+def workload(ids: list[int], args, seed: int = 0) -> list[list[tuple[list[int], int]]]:
+    """The conversations of ``--workload``, each a list of turns ``(new user token ids, new tokens)``, deterministic
+    in ``seed``: ``random``, one-turn requests of unrelated prompts; ``documents``, ``--documents`` documents of
+    ``--min-prompt``..``--max-prompt`` tokens asked ``--questions`` questions each (one-turn requests sharing the
+    document as a prefix); ``chats``, ``--chats`` conversations of ``--turns`` turns, each turn resending the history
+    (its first message ``--min-prompt``..``--max-prompt`` tokens, the later ones 40-80)."""
     rng = random.Random(seed)
-    requests = []
-    for _ in range(args.requests):
-        length = rng.randint(args.min_prompt, args.max_prompt)
+
+    def span(low: int, high: int) -> list[int]:
+        length = rng.randint(low, high)
         start = rng.randrange(0, len(ids) - length)
-        requests.append((ids[start : start + length], rng.randint(args.min_new, args.max_new)))
-    return requests
+        return ids[start : start + length]
+
+    def new() -> int:
+        return rng.randint(args.min_new, args.max_new)
+
+    if args.workload == "documents":
+        documents = [span(args.min_prompt, args.max_prompt) for _ in range(args.documents)]
+        return [[(document + span(24, 48), new())] for document in documents for _ in range(args.questions)]
+    if args.workload == "chats":
+        return [
+            [(span(args.min_prompt, args.max_prompt), new())] + [(span(40, 80), new()) for _ in range(args.turns - 1)]
+            for _ in range(args.chats)
+        ]
+    return [[(span(args.min_prompt, args.max_prompt), new())] for _ in range(args.requests)]
 
 
 def request_options(press: tuple | None) -> dict | None:
@@ -90,19 +113,34 @@ def lone_ttft(llm, prompt: list[int], press: tuple | None, tag: str) -> float:
     return time.perf_counter() - start
 
 
-def run(llm, requests, press: tuple | None, tag: str, lone: list[int] | None = None) -> dict:
-    """Submit every request at once, step until all are done; what the scheduler and the clock saw. ``press``:
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def run(llm, conversations, press: tuple | None, tag: str, lone: list[int] | None = None) -> dict:
+    """Submit the first turn of every conversation at once, and each next turn (the history, the answer and the new
+    message) when the one before ends; step until all are done; what the scheduler and the clock saw. ``press``:
     ``(name, ratio, compression_chunk_size, compression_interval, target_size)`` of the plugin's requests (None: stock
     vLLM). ``lone``: a prompt whose time to first token alone is measured after them."""
     from vllm import SamplingParams
 
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     extra = request_options(press)
-    for i, (prompt, new_tokens) in enumerate(requests):
+    submitted, prompts, turn = {}, {}, {}
+
+    def submit(c: int, history: list[int]) -> None:
+        user, new_tokens = conversations[c][turn.get(c, 0)]
+        request_id = f"{tag}-{c}-{turn.get(c, 0)}"
+        prompts[request_id] = (c, history + user)
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, extra_args=extra)
-        llm.llm_engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
+        llm.llm_engine.add_request(request_id, {"prompt_token_ids": history + user}, params)
+        submitted[request_id] = time.perf_counter()
+
     start = time.perf_counter()
-    first, last, produced, peak, preempted = {}, {}, {}, 0, set()
+    for c in range(len(conversations)):
+        submit(c, [])
+    first, last, produced, reused, peak, preempted = {}, {}, {}, 0, 0, set()
     while llm.llm_engine.has_unfinished_requests():
         outputs = llm.llm_engine.step()
         now = time.perf_counter()
@@ -114,28 +152,37 @@ def run(llm, requests, press: tuple | None, tag: str, lone: list[int] | None = N
                 first[output.request_id] = now
             if n:
                 last[output.request_id], produced[output.request_id] = now, n
+            if output.finished:
+                reused += output.num_cached_tokens or 0
+                c, prompt = prompts[output.request_id]
+                turn[c] = turn.get(c, 0) + 1
+                if turn[c] < len(conversations[c]):
+                    submit(c, prompt + list(output.outputs[0].token_ids))
     elapsed = time.perf_counter() - start
     tpot = [(last[r] - first[r]) / (produced[r] - 1) for r in produced if produced[r] > 1]
-    tpot.sort()
+    ttft = [first[r] - submitted[r] for r in first]
     return {
         "peak_running": peak,
         "preempted": len(preempted),
         "seconds": elapsed,
-        "requests_per_s": len(requests) / elapsed,
+        "requests_per_s": len(submitted) / elapsed,
         "output_tokens_per_s": sum(produced.values()) / elapsed,
         "tpot_ms_mean": 1000 * statistics.fmean(tpot),
-        "tpot_ms_p90": 1000 * tpot[min(len(tpot) - 1, int(0.9 * len(tpot)))],
-        "ttft_s_mean": statistics.fmean(first[r] - start for r in first),
+        "tpot_ms_p90": 1000 * percentile(tpot, 0.9),
+        "ttft_s_mean": statistics.fmean(ttft),
+        "ttft_s_p50": percentile(ttft, 0.5),
+        "ttft_s_p90": percentile(ttft, 0.9),
+        "prompt_tokens_reused": reused,
         "lone_ttft_s": lone_ttft(llm, lone, press, f"{tag}-lone") if lone else float("nan"),
     }
 
 
 HEADER = ["engine / press ratio", "peak running", "vs vLLM", "preempted", "requests/s", "output tok/s", "vs vLLM",
-          "TPOT mean ms", "TPOT p90 ms", "TTFT mean s", "lone TTFT s",
+          "TPOT mean ms", "TPOT p90 ms", "TTFT mean s", "TTFT p50 / p90 s", "prompt tokens reused", "lone TTFT s",
           "vs uniform / prefill-only: peak, tok/s, TPOT, TTFT, lone TTFT"]  # fmt: skip
 UNIFORM = "critical_snapkv"  # the head-wise rows are compared with this press at the same ratio
 METRICS = ("peak_running", "preempted", "requests_per_s", "output_tokens_per_s", "tpot_ms_mean", "tpot_ms_p90",
-           "ttft_s_mean", "lone_ttft_s")  # fmt: skip
+           "ttft_s_mean", "ttft_s_p50", "ttft_s_p90", "prompt_tokens_reused", "lone_ttft_s")  # fmt: skip
 
 
 def ratio_to(measured: dict, name: str, base: str, metric: str) -> float:
@@ -200,6 +247,8 @@ def summarise(measured: dict, configs: list) -> tuple[list[dict], list[list]]:
                 fmt(row["tpot_ms_mean"], 1),
                 fmt(row["tpot_ms_p90"], 1),
                 fmt(row["ttft_s_mean"], 1),
+                f"{fmt(row['ttft_s_p50'], 1)} / {fmt(row['ttft_s_p90'], 1)}",
+                fmt(row["prompt_tokens_reused"], 0),
                 fmt(row["lone_ttft_s"], 2) if row["lone_ttft_s"] == row["lone_ttft_s"] else "",
                 versus,
             ]
@@ -221,6 +270,17 @@ def main(argv=None) -> int:
         "--window-size", type=int, default=0, help="SnapKV's observation window (0: the plugin's default, 64)"
     )
     parser.add_argument("--lone-prompt", type=int, default=0, help="TTFT of one prompt of this many tokens alone")
+    parser.add_argument(
+        "--workload",
+        choices=("random", "documents", "chats"),
+        default="random",
+        help="random prompts, documents asked several questions, or chats resending their history",
+    )
+    parser.add_argument("--documents", type=int, default=3, help="documents (--workload documents)")
+    parser.add_argument("--questions", type=int, default=6, help="questions per document")
+    parser.add_argument("--chats", type=int, default=4, help="conversations (--workload chats)")
+    parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
+    parser.add_argument("--prefix-caching", action="store_true", help="vLLM's prefix cache on in both engines")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--min-prompt", type=int, default=1024)
     parser.add_argument("--max-prompt", type=int, default=2048)
@@ -235,6 +295,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.requests, args.min_prompt, args.max_prompt, args.min_new, args.max_new = 4, 200, 300, 8, 16
         args.pool_tokens, args.repeats = 1024, 1
+        args.documents, args.questions, args.chats, args.turns = 1, 3, 2, 2
         if args.compression_interval:  # one compaction while decoding
             args.min_new, args.max_new = args.compression_interval + 8, args.compression_interval + 16
     if bool(args.compression_interval) != bool(args.target_size):
@@ -250,15 +311,20 @@ def main(argv=None) -> int:
     token_bytes = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element
     blocks = args.pool_tokens // args.block_size
     pool_bytes = (blocks + 1) * args.block_size * token_bytes  # and vLLM's null block
+    longest = (
+        args.max_prompt
+        + args.max_new
+        + {"documents": 48, "chats": (args.turns - 1) * (80 + args.max_new)}.get(args.workload, 0)
+    )
     common = dict(
         model=args.model, dtype=args.dtype, enforce_eager=True, block_size=args.block_size, seed=0,
-        max_model_len=max(args.max_prompt + args.max_new, args.lone_prompt + 1), kv_cache_memory_bytes=pool_bytes,
-        enable_prefix_caching=False,
+        max_model_len=max(longest, args.lone_prompt + 1), kv_cache_memory_bytes=pool_bytes,
+        enable_prefix_caching=args.prefix_caching,
     )  # fmt: skip
     stock = LLM(**common)  # first: its layers take vLLM's own attention backend
     plugin = LLM(**common, additional_config={"kvpress_critical": {"compression_ratio": 0.0}})
     ids = text_ids(AutoTokenizer.from_pretrained(args.model))
-    requests = workload(ids, args)
+    conversations = workload(ids, args)
     lone = (ids * (1 + args.lone_prompt // len(ids)))[: args.lone_prompt] if args.lone_prompt else None
     ratios = [float(r) for r in args.ratios.split(",")]
     presses = args.presses.split(",")
@@ -279,21 +345,30 @@ def main(argv=None) -> int:
         and (r or i)  # ratio 0 without decoding compresses nothing
     ]
     measured = {name: [] for name, _, _ in configs}
-    stem = output_stem(args, "vllm")
+    workload_name = "" if args.workload == "random" else f"_{args.workload}"
+    stem = output_stem(args, f"vllm{workload_name}{'_prefix_cache' if args.prefix_caching else ''}")
     with tqdm(total=args.repeats * len(configs), desc="runs") as progress:
         for repeat in range(args.repeats):
             for name, llm, ratio in configs:
-                measured[name].append(run(llm, requests, ratio, f"{repeat}-{name}", lone))
+                measured[name].append(run(llm, conversations, ratio, f"{repeat}-{name}", lone))
                 progress.update()
             rows, table = summarise(measured, configs)
+            what = {
+                "random": f"{args.requests} requests submitted at once, prompts of {args.min_prompt}-{args.max_prompt} "
+                "tokens",
+                "documents": f"{args.documents} documents of {args.min_prompt}-{args.max_prompt} tokens asked "
+                f"{args.questions} questions of 24-48 tokens each, all submitted at once",
+                "chats": f"{args.chats} chats of {args.turns} turns submitted at once, each turn resending the history "
+                f"(a first message of {args.min_prompt}-{args.max_prompt} tokens, then 40-80)",
+            }[args.workload]
             details = (
-                f"{args.requests} requests submitted at once, prompts of {args.min_prompt}-{args.max_prompt} tokens, "
-                f"{args.min_new}-{args.max_new} new tokens (end of sequence ignored, greedy)"
+                f"{what}, {args.min_new}-{args.max_new} new tokens (end of sequence ignored, greedy)"
                 + (f", then one {args.lone_prompt}-token prompt alone (lone TTFT)" if lone else "")
                 + (f"; SnapKV's window {args.window_size} tokens" if args.window_size else "")
                 + "; one KV pool of "
                 f"{blocks} blocks of {args.block_size} tokens ({args.pool_tokens} tokens, {args.dtype}) for both "
-                f"engines; engines in one process, enforce_eager, no prefix caching; medians of {repeat + 1} "
+                f"engines; engines in one process, enforce_eager, "
+                f"{'prefix caching on' if args.prefix_caching else 'no prefix caching'}; medians of {repeat + 1} "
                 "interleaved repeats, ratios to stock vLLM measured in the same repeat"
             )
             title = "kvpress-critical's vLLM plugin: requests at once and throughput in a fixed KV pool"

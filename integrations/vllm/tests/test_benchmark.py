@@ -21,7 +21,7 @@ def script_job(tmp_path_factory, name: str, *args: str) -> background.Job:
 def bench_vllm_job(tmp_path_factory) -> background.Job:
     return script_job(tmp_path_factory, "bench_vllm", "--quick", "--ratios", "0,0.75", "--chunk-sizes", "0,128",
                       "--compression-interval", "40", "--target-size", "48", "--window-size", "32",
-                      "--lone-prompt", "150")  # fmt: skip
+                      "--lone-prompt", "150", "--workload", "chats", "--prefix-caching")  # fmt: skip
 
 
 @background.job("bench-vllm-quality", lane="bench")
@@ -36,14 +36,19 @@ def bench_vllm_quality_job(tmp_path_factory) -> background.Job:
 @pytest.mark.background("bench-vllm")
 def test_bench_vllm_quick_writes_its_table(background_job):
     assert background_job.returncode == 0, (background_job.error, background_job.output()[-4000:])
-    table = (background_job.cwd / "vllm_cpu.md").read_text()
+    table = (background_job.cwd / "vllm_chats_prefix_cache_cpu.md").read_text()
     assert "| vLLM |" in table and "| critical_snapkv 0.75 |" in table and "| critical_adakv_snapkv 0.75 |" in table
     assert "| critical_snapkv 0.75 chunk 128 |" in table and "| critical_adakv_snapkv 0.75 chunk" not in table
     assert "| critical_snapkv 0.75 chunk 128 decode 40/48 |" in table
     assert "| critical_snapkv 0.0 decode 40/48 |" in table and "| critical_snapkv 0.0 |" not in table
     assert "| critical_adakv_snapkv 0.75 decode" not in table and "| critical_adakv_snapkv 0.0" not in table
     # stock vLLM, 2 decoding-only rows at ratio 0, 4 uniform rows and the head-wise row at 0.75: a header and 8 rows
-    assert (background_job.cwd / "vllm_cpu.csv").read_text().count("\n") == 9
+    assert (background_job.cwd / "vllm_chats_prefix_cache_cpu.csv").read_text().count("\n") == 9
+    # two chats of two turns, the second resending the first: stock vLLM's prefix cache serves the history
+    assert "2 chats of 2 turns" in table and "prefix caching on" in table
+    header = next(line for line in table.splitlines() if line.startswith("| engine / press ratio |")).split("|")
+    stock = next(line for line in table.splitlines() if line.startswith("| vLLM |")).split("|")
+    assert int(stock[[cell.strip() for cell in header].index("prompt tokens reused")]) > 0
 
 
 @pytest.mark.background("bench-vllm-quality")
