@@ -55,6 +55,11 @@ class Eviction:
         return self.seen - self.evicted
 
     @property
+    def boundary(self) -> int:
+        """The last block boundary at or before ``seen``: positions from here share a block with the next tokens."""
+        return self.seen // self.block_size * self.block_size
+
+    @property
     def held(self) -> int:
         """Entries per head before this compaction (the ones it scores)."""
         return self.seen - self.start

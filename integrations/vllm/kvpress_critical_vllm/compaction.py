@@ -145,7 +145,7 @@ class Compactor:
             mask = select(options, base, norms, evict.kept, evict.held)
             del base, norms  # the next layer's scores are made without this one's
             if options.head_wise:
-                boundary = evict.seen // evict.block_size * evict.block_size
+                boundary = evict.boundary
                 if not bool(mask[:, boundary:].all()):
                     raise LayoutError(
                         f"layer {name} drops some of the prompt's last {evict.seen - boundary} tokens in a KV "
@@ -164,7 +164,7 @@ class Compactor:
         slots = self.slots(job)
         evict = job.directive.eviction
         if job.directive.options.head_wise:
-            boundary = evict.seen // evict.block_size * evict.block_size
+            boundary = evict.boundary
             region = job.block_ids[evict.evicted // evict.block_size : boundary // evict.block_size].long()
             for name, mask in kept.items():
                 kv_cache = attention_layers[name].kv_cache

@@ -153,10 +153,15 @@ def free_blocks(scheduler) -> int:
     return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
+def real_blocks(scheduler, request_id: str, first_block: int = 0, end_block: int | None = None) -> list:
+    """The blocks ``first_block .. end_block - 1`` a request holds in the first group (its null placeholders aside)."""
+    held = managers(scheduler)[0].req_to_blocks.get(request_id, ())
+    return [block for block in held[first_block:end_block] if block is not None and not block.is_null]
+
+
 def real_blocks_held(scheduler, request_id: str) -> int:
     """Blocks a request holds in the first group (its null placeholders aside)."""
-    held = managers(scheduler)[0].req_to_blocks.get(request_id, ())
-    return sum(block is not None and not block.is_null for block in held)
+    return len(real_blocks(scheduler, request_id))
 
 
 def remove_blocks(scheduler, request_id: str, first_token: int, end_token: int) -> None:
@@ -180,23 +185,17 @@ def skip_prefix_cache_reads(request) -> None:
     request.skip_reading_prefix_cache = True
 
 
-def _blocks(scheduler, request_id: str, first_block: int, end_block: int) -> list:
-    held = managers(scheduler)[0].req_to_blocks.get(request_id, ())
-    return [block for block in held[first_block:end_block] if block is not None and not block.is_null]
-
-
 def shared_blocks(scheduler, request_id: str, first_block: int, end_block: int) -> int:
     """Blocks ``first_block .. end_block - 1`` of a request that another request holds too (a prefix-cache hit)."""
-    return sum(block.ref_cnt > 1 for block in _blocks(scheduler, request_id, first_block, end_block))
+    return sum(block.ref_cnt > 1 for block in real_blocks(scheduler, request_id, first_block, end_block))
 
 
 def unhash_blocks(scheduler, request_id: str, first_block: int, end_block: int) -> int:
     """Take blocks ``first_block .. end_block - 1`` of a request out of the prefix cache's index (no later request
     can hit them); the number that were in it."""
     pool = scheduler.kv_cache_manager.block_pool
-    return sum(
-        bool(pool._maybe_evict_cached_block(block)) for block in _blocks(scheduler, request_id, first_block, end_block)
-    )
+    blocks = real_blocks(scheduler, request_id, first_block, end_block)
+    return sum(bool(pool._maybe_evict_cached_block(block)) for block in blocks)
 
 
 def stop_caching(scheduler, request_id: str) -> None:

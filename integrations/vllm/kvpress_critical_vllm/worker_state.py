@@ -168,7 +168,7 @@ class WorkerState:
             request_id, evict = job.directive.request_id, job.directive.eviction
             if job.directive.options.head_wise:
                 counts = torch.stack([mask.sum(dim=1) for mask in kept.values()])  # (L, H_kv), the pinned tail in
-                pinned = evict.seen % evict.block_size
+                pinned = evict.seen - evict.boundary
                 self.head_wise[request_id] = HeadWise(evict.evicted, evict.seen - pinned, (counts - pinned).cpu())
             else:
                 self.shifts[request_id] = evict.evicted
