@@ -34,8 +34,11 @@ class CompressingBuilderMixin:
     """Plans the step for the plugin and gives compressed requests their shifted view."""
 
     kvpress_state: WorkerState | None = None  # set by the plugin's worker once the builders exist
+    kvpress_passthrough = False  # a group the plugin leaves to vLLM (sliding-window layers beside compressed ones)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, *args, **kwargs):
+        if self.kvpress_passthrough:
+            return super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
         state = self.kvpress_state
         if state is None:
             if engine_options(self.vllm_config.additional_config) is not None:

@@ -117,12 +117,23 @@ def check_engine_config(vllm_config, cudagraph_requested: bool = True) -> Compre
             )
         if model.is_encoder_decoder:
             raise _refuse("encoder-decoder models keep a cross-attention cache", "Serve a decoder-only model")
-        if model.is_hybrid or model.is_attention_free or model.get_sliding_window() is not None:
+        if model.is_hybrid or model.is_attention_free:
             raise _refuse(
-                "hybrid, attention-free and sliding-window models keep several KV-cache groups (or none), and the "
-                "plugin evicts from one group of full-attention layers",
-                "Serve a model whose layers are all full attention (Llama, Mistral without sliding window, Qwen2/3, "
-                "Phi-3)",
+                "linear-attention, Mamba and attention-free layers keep a recurrent state per request (or no KV "
+                "cache), which no eviction of entries applies to; the plugin compresses full-attention layers, alone "
+                "or beside sliding-window ones",
+                "Serve a model whose layers are full or sliding-window attention (Llama, Qwen2/3, Phi-3, Gemma 3, "
+                "Mistral), or vLLM without the plugin",
+            )
+        types = getattr(model.hf_text_config, "layer_types", None) or ()
+        if model.get_sliding_window() is not None and all(kind == "sliding_attention" for kind in types):
+            raise _refuse(
+                f"every attention layer has a sliding window of {model.get_sliding_window()} tokens, so each request "
+                "already holds at most its window and there is no full-attention layer to compress (models that "
+                "alternate sliding-window and full-attention layers, such as Gemma 3, are compressed in their "
+                "full-attention layers)",
+                "Serve the model without the plugin, or without its sliding window (hf_overrides={'sliding_window': "
+                "None}, --hf-overrides '{\"sliding_window\": null}')",
             )
         if model.uses_mrope:
             raise _refuse("M-RoPE models (multimodal position ids) are not supported", "Serve a text model")

@@ -12,9 +12,10 @@ changes: vLLM's registry finds the full-attention manager through the subclass, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 from kvpress_critical_vllm.budget import hold_bound
 from kvpress_critical_vllm.options import CompressionOptions
@@ -48,6 +49,77 @@ def bounded_specs(specs: dict[str, KVCacheSpec], options: CompressionOptions, ma
         bound = hold_bound(options, max_len, spec.block_size) if type(spec) is FullAttentionSpec else None
         bounded[name] = spec if bound is None else CompressedFullAttentionSpec(**_fields(spec), max_blocks_held=bound)
     return bounded
+
+
+def compressed_group(groups: list, longer_than_pool: bool = False) -> int:
+    """
+    The index of the KV-cache group the plugin compresses among vLLM's ``kv_cache_groups``: the one group of
+    full-attention layers. Beside it, groups of sliding-window layers (Gemma 3, gpt-oss-style alternation, Llama or
+    Mistral with ``layer_types``) are left to vLLM's sliding-window manager, which already frees what leaves their
+    window; they hold a window per request, the full-attention group the rest. Any other layout is an
+    :class:`~kvpress_critical_vllm.engine_config.EngineConfigError` naming it, as is a ``max_model_len`` longer than
+    the pool (``longer_than_pool``) beside sliding-window groups, whose blocks the bound of a request does not count.
+    """
+    from kvpress_critical_vllm.engine_config import EngineConfigError
+
+    kinds = [type(group.kv_cache_spec) for group in groups]
+    names = ", ".join(kind.__name__ for kind in kinds) or "none"
+    full = [index for index, kind in enumerate(kinds) if kind in (FullAttentionSpec, CompressedFullAttentionSpec)]
+    others = [kind.__name__ for kind in kinds if kind not in (FullAttentionSpec, CompressedFullAttentionSpec)]
+    unsupported = sorted({name for name in others if name != SlidingWindowSpec.__name__})
+    if unsupported:
+        raise EngineConfigError(
+            f"kvpress_critical cannot compress with this engine: the model's KV cache has groups of {names}, and the "
+            f"plugin compresses full-attention layers beside sliding-window ones only ({', '.join(unsupported)} keep "
+            "another kind of state, which no eviction of entries applies to). Serve a model whose layers are full "
+            "or sliding-window attention, or vLLM without the plugin."
+        )
+    if not full:
+        raise EngineConfigError(
+            f"kvpress_critical cannot compress with this engine: every attention layer is sliding-window ({names}), "
+            "so each request already holds at most its window; there is no full-attention layer to compress. Serve "
+            "the model without the plugin, or without its sliding window (e.g. hf_overrides={'sliding_window': None})."
+        )
+    windowed = [index for index in full if getattr(groups[index].kv_cache_spec, "sliding_window", None) is not None]
+    if windowed:
+        raise EngineConfigError(
+            "kvpress_critical cannot compress with this engine: vLLM put sliding-window layers in a group of "
+            "full-attention layers (the hybrid KV-cache manager is off), and the plugin compresses full-attention "
+            "layers only. Unset disable_hybrid_kv_cache_manager (--disable-hybrid-kv-cache-manager)."
+        )
+    if len(full) > 1:
+        raise EngineConfigError(
+            f"kvpress_critical cannot compress with this engine: vLLM split the full-attention layers into "
+            f"{len(full)} KV-cache groups ({names}), and the plugin compresses one. Serve a model with at least as "
+            "many full-attention layers as sliding-window layers per group (Gemma 3's 1:5, gpt-oss's 1:1), or "
+            "without the plugin."
+        )
+    if longer_than_pool and len(groups) > 1:
+        raise EngineConfigError(
+            "kvpress_critical cannot serve a max_model_len longer than the KV pool with this model: its "
+            "sliding-window layers hold blocks beside the compressed full-attention ones, which the bound a "
+            "compressed request holds does not count yet. Set max_model_len within the pool (or a larger pool), "
+            "or drop the engine-wide compression_chunk_size / compression_interval that bound requests."
+        )
+    return full[0]
+
+
+def window_blocks(groups: list, compressed: int, vllm_config) -> Callable[[int], int]:
+    """``blocks(tokens)``: the blocks a request of ``tokens`` tokens holds at most in the groups other than
+    ``compressed`` (sliding-window groups: vLLM's own admission cap of a window, which frees what leaves it), for
+    admission by what a compressed request holds at most."""
+    from kvpress_critical_vllm.vllm_compat import window_admission_blocks
+
+    caps = [
+        (window_admission_blocks(group.kv_cache_spec, vllm_config), group.kv_cache_spec.block_size)
+        for index, group in enumerate(groups)
+        if index != compressed
+    ]
+
+    def blocks(tokens: int) -> int:
+        return sum(min(-(-tokens // size), cap) for cap, size in caps)
+
+    return blocks
 
 
 def _fields(spec: FullAttentionSpec) -> dict:

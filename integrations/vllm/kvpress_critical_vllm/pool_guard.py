@@ -6,16 +6,28 @@ request it cannot admit)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvpress_critical_vllm.budget import blocks_for, blocks_held_at_most, next_step_blocks
 from kvpress_critical_vllm.tracking import Tracked
 
 
 class PoolGuard:
     """One scheduler's admission rule and its requests that can never fit the pool (``pool_blocks`` usable blocks of
-    ``block_size`` tokens; ``longer_than_pool`` when ``max_model_len`` exceeds them)."""
+    ``block_size`` tokens; ``longer_than_pool`` when ``max_model_len`` exceeds them; ``companion_blocks(tokens)``: the
+    blocks a request of ``tokens`` tokens holds at most in the groups the plugin does not compress, sliding-window
+    layers beside the compressed ones)."""
 
-    def __init__(self, block_size: int, pool_blocks: int, longer_than_pool: bool, reserve_full_isl: bool) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        pool_blocks: int,
+        longer_than_pool: bool,
+        reserve_full_isl: bool,
+        companion_blocks: Callable[[int], int] = lambda tokens: 0,
+    ) -> None:
         self.block_size = block_size
+        self.companion_blocks = companion_blocks
         self.pool_blocks = pool_blocks
         self.longer_than_pool = longer_than_pool
         self.reserve_full_isl = reserve_full_isl  # vLLM's admission of whole sequences, as the engine configured it
@@ -34,6 +46,7 @@ class PoolGuard:
             return True, self.reserve_full_isl and not bounded
         stages = tracked.schedule.upto(request.num_tokens)
         needed = blocks_held_at_most(stages, request.num_tokens, self.block_size)
+        needed += self.companion_blocks(request.num_tokens)
         if with_async:  # as hold_bound counts
             needed += next_step_blocks(tracked.options, self.block_size)
         return needed <= free_blocks, False

@@ -47,12 +47,13 @@ class PrefixCacheGuard:
         if not self.enabled:
             return ""
         first, end = plan.evicted // plan.block_size, blocks_for(plan.seen, plan.block_size)
-        shared = shared_blocks(scheduler, request_id, first, end)
+        group = scheduler.kvpress_group  # the compressed group: the others' blocks are not rewritten
+        shared = shared_blocks(scheduler, request_id, first, end, group)
         if shared:
             return (
                 f"{shared} of the blocks its compaction would rewrite are shared with another request through vLLM's "
                 "prefix cache"
             )
-        self.metrics.unhashed(unhash_blocks(scheduler, request_id, first, end))
-        stop_caching(scheduler, request_id)
+        self.metrics.unhashed(unhash_blocks(scheduler, request_id, first, end, group))
+        stop_caching(scheduler, request_id)  # every group: later tokens attend over the compressed cache
         return ""

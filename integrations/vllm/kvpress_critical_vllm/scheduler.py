@@ -23,12 +23,10 @@ import logging
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request, RequestStatus
 
 from kvpress_critical_vllm.budget import Eviction, Schedule, blocks_for
-from kvpress_critical_vllm.engine_config import EngineConfigError
-from kvpress_critical_vllm.kv_spec import CompressedFullAttentionSpec
+from kvpress_critical_vllm.kv_spec import compressed_group, window_blocks
 from kvpress_critical_vllm.metrics import MetricsWriter
 from kvpress_critical_vllm.options import CompressionOptions, OptionsError, engine_options, resolve_options
 from kvpress_critical_vllm.pool_guard import PoolGuard
@@ -48,17 +46,19 @@ class CompressingSchedulerMixin:
         super().__init__(*args, **kwargs)
         self.kvpress_options: CompressionOptions = engine_options(self.vllm_config.additional_config)
         groups = self.kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or type(groups[0].kv_cache_spec) not in (FullAttentionSpec, CompressedFullAttentionSpec):
-            specs = ", ".join(type(group.kv_cache_spec).__name__ for group in groups) or "none"
-            raise EngineConfigError(
-                "kvpress_critical cannot compress with this engine: the model's KV cache has groups of "
-                f"{specs}, and the plugin evicts from one group of full-attention layers. Serve a model whose "
-                "layers are all full attention."
-            )
-        spec = groups[0].kv_cache_spec
+        bounded = any(getattr(group.kv_cache_spec, "max_blocks_held", None) is not None for group in groups)
+        # the full-attention layers; sliding-window groups are vLLM's
+        self.kvpress_group = compressed_group(groups, longer_than_pool=bounded)
+        spec = groups[self.kvpress_group].kv_cache_spec
         self.kvpress_block_size = spec.block_size
         self._kvpress_tp_size = self.vllm_config.parallel_config.tensor_parallel_size
-        self._kvpress_layers = len(groups[0].layer_names)
+        self._kvpress_layers = len(groups[self.kvpress_group].layer_names)
+        if len(groups) > 1:
+            logger.info(
+                "kvpress_critical: compressing the %d full-attention layers of KV-cache group %d; the %d groups of "
+                "sliding-window layers beside it keep their windows, as vLLM frees them",
+                self._kvpress_layers, self.kvpress_group, len(groups) - 1,
+            )  # fmt: skip
         self._kvpress_kv_heads = spec.num_kv_heads
         self._kvpress: dict[str, Tracked] = {}
         self.kvpress_records: BoundedRecords = BoundedRecords(RECORDS_KEPT)
@@ -79,7 +79,9 @@ class CompressingSchedulerMixin:
             self.kv_cache_config.num_blocks - 1,  # less vLLM's null block
             longer_than_pool=bound is not None,
             reserve_full_isl=self.scheduler_reserve_full_isl,  # vLLM's admission of whole sequences
+            companion_blocks=window_blocks(groups, self.kvpress_group, self.vllm_config),
         )
+
         if bound is not None:
             options, max_model_len = self.kvpress_options, self.vllm_config.model_config.max_model_len
             logger.info(
@@ -292,8 +294,8 @@ class CompressingSchedulerMixin:
             outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(ended)
 
     def _free_evicted(self, request: Request, tracked: Tracked, plan: Eviction, done) -> None:
-        blocks_before = real_blocks_held(self, request.request_id)
-        remove_blocks(self, request.request_id, plan.start, plan.evicted)
+        blocks_before = real_blocks_held(self, request.request_id, self.kvpress_group)
+        remove_blocks(self, request.request_id, plan.start, plan.evicted, self.kvpress_group)
         tracked.confirmed += 1
         options = tracked.options
         record = CompressionRecord(

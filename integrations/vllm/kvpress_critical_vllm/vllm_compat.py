@@ -87,6 +87,13 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.engine", "EngineCoreOutputs", "class"),
     ("vllm.v1.kv_cache_interface", "FullAttentionSpec", "class"),
     ("vllm.v1.kv_cache_interface", "KVCacheSpec", "class"),
+    ("vllm.v1.kv_cache_interface", "SlidingWindowSpec", "class"),
+    (
+        "vllm.v1.kv_cache_interface",
+        "SlidingWindowSpec.max_admission_blocks_per_request",
+        "method(max_in_flight_tokens, max_model_len)",
+    ),
+    ("vllm.config", "VllmConfig.max_in_flight_tokens", "attribute"),
     # the bound a request holds (kv_spec.py): vLLM's start-up check and concurrency figures call these
     ("vllm.v1.kv_cache_interface", "FullAttentionSpec.max_memory_usage_bytes", "method(vllm_config)"),
     ("vllm.v1.kv_cache_interface", "FullAttentionSpec.merge", "method(specs)"),
@@ -101,6 +108,7 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.input_batch", "attribute"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.discard_request_mask", "attribute"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.attn_groups", "attribute"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.kv_cache_config", "attribute"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch.generators", "attribute"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch.num_computed_tokens_cpu", "attribute"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch.req_ids", "attribute"),
@@ -144,31 +152,40 @@ def resolve(module: str, name: str):
 
 # ---------------------------------------------------------------------------------------------- scheduler side
 def managers(scheduler) -> list:
-    """The scheduler's per-group block managers (one group: the plugin refuses models with several)."""
+    """The scheduler's block managers, one per KV-cache group (the plugin compresses one of them:
+    :func:`kvpress_critical_vllm.kv_spec.compressed_group`)."""
     return scheduler.kv_cache_manager.coordinator.single_type_managers
 
 
 def free_blocks(scheduler) -> int:
-    """Blocks free in the scheduler's pool."""
+    """Blocks free in the scheduler's pool (shared by every group)."""
     return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
-def real_blocks(scheduler, request_id: str, first_block: int = 0, end_block: int | None = None) -> list:
-    """The blocks ``first_block .. end_block - 1`` a request holds in the first group (its null placeholders aside)."""
-    held = managers(scheduler)[0].req_to_blocks.get(request_id, ())
+def real_blocks(scheduler, request_id: str, first_block: int = 0, end_block: int | None = None, group: int = 0) -> list:
+    """The blocks ``first_block .. end_block - 1`` a request holds in KV-cache group ``group`` (its null placeholders
+    aside)."""
+    held = managers(scheduler)[group].req_to_blocks.get(request_id, ())
     return [block for block in held[first_block:end_block] if block is not None and not block.is_null]
 
 
-def real_blocks_held(scheduler, request_id: str) -> int:
-    """Blocks a request holds in the first group (its null placeholders aside)."""
-    return len(real_blocks(scheduler, request_id))
+def real_blocks_held(scheduler, request_id: str, group: int = 0) -> int:
+    """Blocks a request holds in KV-cache group ``group`` (its null placeholders aside)."""
+    return len(real_blocks(scheduler, request_id, group=group))
 
 
-def remove_blocks(scheduler, request_id: str, first_token: int, end_token: int) -> None:
-    """Free the blocks of positions ``first_token .. end_token - 1`` of a request (whole blocks; replaced by the null
-    block in its table, as vLLM's sliding-window manager does)."""
-    for manager in managers(scheduler):
-        manager._remove_blocks_in_range(request_id, first_token // manager.block_size, end_token // manager.block_size)
+def remove_blocks(scheduler, request_id: str, first_token: int, end_token: int, group: int = 0) -> None:
+    """Free the blocks of positions ``first_token .. end_token - 1`` of a request in KV-cache group ``group`` (whole
+    blocks; replaced by the null block in its table, as vLLM's sliding-window manager does)."""
+    manager = managers(scheduler)[group]
+    manager._remove_blocks_in_range(request_id, first_token // manager.block_size, end_token // manager.block_size)
+
+
+def window_admission_blocks(spec, vllm_config) -> int:
+    """The most blocks a request holds in a sliding-window group (``spec``), as vLLM admits requests: the window,
+    the tokens in flight and one block for a window that starts inside one."""
+    max_model_len = vllm_config.model_config.max_model_len
+    return spec.max_admission_blocks_per_request(vllm_config.max_in_flight_tokens, max_model_len)
 
 
 # ------------------------------------------------------------------------------------------------ prefix caching
@@ -185,16 +202,17 @@ def skip_prefix_cache_reads(request) -> None:
     request.skip_reading_prefix_cache = True
 
 
-def shared_blocks(scheduler, request_id: str, first_block: int, end_block: int) -> int:
-    """Blocks ``first_block .. end_block - 1`` of a request that another request holds too (a prefix-cache hit)."""
-    return sum(block.ref_cnt > 1 for block in real_blocks(scheduler, request_id, first_block, end_block))
+def shared_blocks(scheduler, request_id: str, first_block: int, end_block: int, group: int = 0) -> int:
+    """Blocks ``first_block .. end_block - 1`` of a request in group ``group`` that another request holds too (a
+    prefix-cache hit)."""
+    return sum(block.ref_cnt > 1 for block in real_blocks(scheduler, request_id, first_block, end_block, group))
 
 
-def unhash_blocks(scheduler, request_id: str, first_block: int, end_block: int) -> int:
-    """Take blocks ``first_block .. end_block - 1`` of a request out of the prefix cache's index (no later request
-    can hit them); the number that were in it."""
+def unhash_blocks(scheduler, request_id: str, first_block: int, end_block: int, group: int = 0) -> int:
+    """Take blocks ``first_block .. end_block - 1`` of a request in group ``group`` out of the prefix cache's index (no
+    later request can hit them); the number that were in it."""
     pool = scheduler.kv_cache_manager.block_pool
-    blocks = real_blocks(scheduler, request_id, first_block, end_block)
+    blocks = real_blocks(scheduler, request_id, first_block, end_block, group)
     return sum(bool(pool._maybe_evict_cached_block(block)) for block in blocks)
 
 
@@ -296,6 +314,12 @@ def generators_of(runner) -> dict:
 def attention_groups(runner) -> list:
     """The runner's attention groups (their metadata builders and KV cache specs)."""
     return runner.attn_groups
+
+
+def kv_cache_groups(runner) -> list:
+    """The runner's KV-cache groups (``kv_cache_config.kv_cache_groups``: their layer names and specs), in the order of
+    :func:`attention_groups`."""
+    return runner.kv_cache_config.kv_cache_groups
 
 
 def forward_context(vllm_config) -> dict:

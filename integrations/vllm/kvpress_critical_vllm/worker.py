@@ -18,9 +18,16 @@ import torch
 
 from kvpress_critical_vllm.attention import CompressingBuilderMixin, CompressingImplMixin, register_backends
 from kvpress_critical_vllm.engine_config import EngineConfigError
+from kvpress_critical_vllm.kv_spec import compressed_group
 from kvpress_critical_vllm.layouts import region_views
 from kvpress_critical_vllm.protocol import REPORT_ATTRIBUTE, StepReport
-from kvpress_critical_vllm.vllm_compat import attention_groups, discarded_rows, forward_context, generators_of
+from kvpress_critical_vllm.vllm_compat import (
+    attention_groups,
+    discarded_rows,
+    forward_context,
+    generators_of,
+    kv_cache_groups,
+)
 from kvpress_critical_vllm.worker_state import WorkerState
 
 # under vLLM's logger, so that the lines appear in vLLM's log at its level (VLLM_LOGGING_LEVEL)
@@ -49,18 +56,30 @@ def head_wise_probe_lengths(group: int) -> list[int]:
 
 
 def check_attention_impl(name: str, impl) -> None:
-    """Refuse a layer whose attention has a bias, cap or sink the plugin's moved entries and kernels do not carry (ALiBi
-    follows a slot's index, not its entry's position; ``paged_ragged_attention`` has none of them)."""
+    """Refuse a compressed layer whose attention has a window, bias, cap or sink the plugin does not carry: a sliding
+    window and ALiBi follow a slot's index, not the position of the entry a compaction moved there; a logits soft cap
+    and attention sinks change the softmax that the presses' scores (SnapKV's window attention) and the head-wise
+    kernels compute without them."""
+    window = getattr(impl, "sliding_window", None)
     variants = {
-        "ALiBi": getattr(impl, "alibi_slopes", None) is not None,
-        "a logits soft cap": bool(getattr(impl, "logits_soft_cap", None)),
-        "attention sinks": getattr(impl, "sinks", None) is not None,
+        "a sliding window (in the full-attention KV-cache group, as when disable_hybrid_kv_cache_manager is set), "
+        "which follows a slot's index, not the position of the entry a compaction moved there": (
+            window not in (None, -1, (-1, -1))
+        ),
+        "ALiBi, whose bias follows a slot's index, not the position of the entry a compaction moved there": (
+            getattr(impl, "alibi_slopes", None) is not None
+        ),
+        "a logits soft cap, which the presses' attention scores and the head-wise kernels do not apply": bool(
+            getattr(impl, "logits_soft_cap", None)
+        ),
+        "attention sinks (a learned logit per head in the softmax), which the presses' attention scores and the "
+        "head-wise kernels do not include": getattr(impl, "sinks", None) is not None,
     }
     for variant, used in variants.items():
         if used:
             raise EngineConfigError(
-                f"kvpress_critical cannot compress layer {name}: it uses {variant}, which the plugin's moved entries "
-                "and head-wise kernels do not carry. Serve a model without it, or vLLM without the plugin."
+                f"kvpress_critical cannot compress layer {name}: it uses {variant}. Serve a model without it, or vLLM "
+                "without the plugin."
             )
 
 
@@ -186,6 +205,16 @@ class CompressingWorkerMixin:
         kernel's block size is the cache's; every metadata builder is given this worker's state."""
         context = self._attention_layers()
         state = self.kvpress_state
+        groups = kv_cache_groups(self.model_runner)
+        compressed = compressed_group(groups)
+        layers = set(groups[compressed].layer_names)
+        # the full-attention layers only: the sliding-window groups' layers run as vLLM's, with their whole view
+        state.o_proj = {name: weight for name, weight in state.o_proj.items() if name in layers}
+        if set(state.o_proj) != layers:
+            raise EngineConfigError(
+                "kvpress_critical cannot compress with this model: its full-attention layers "
+                f"{sorted(layers - set(state.o_proj))} have no dense o_proj the plugin read"
+            )
         for name in state.o_proj:
             layer = context[name]
             if not isinstance(layer.impl, CompressingImplMixin):
@@ -205,8 +234,12 @@ class CompressingWorkerMixin:
         state.layout = first.impl.paged_layout(first, first.kv_cache)
         state.block_size = first.kv_cache.shape[2] if first.kv_cache.dim() == 4 else None
         builders = 0
-        for groups in attention_groups(self.model_runner):
-            for group in groups:
+        for index, attention in enumerate(attention_groups(self.model_runner)):
+            for group in attention:
+                if index != compressed:  # a sliding-window group: vLLM's view, no plan, no compaction
+                    for builder in group.metadata_builders:
+                        builder.kvpress_passthrough = True
+                    continue
                 spec_block = group.kv_cache_spec.block_size
                 if group.kernel_block_size not in (None, spec_block):
                     raise EngineConfigError(

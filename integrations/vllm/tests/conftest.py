@@ -93,6 +93,15 @@ ENGINES = {
         },
         kv_cache_memory_bytes=pool_of(16),
     ),  # fmt: skip
+    # a hybrid model (SmolLM2 with two sliding-window layers beside each full-attention one): three KV-cache groups,
+    # of which the plugin compresses one; no other engine serves this model. With vLLM's prefix cache on (its
+    # batch's prompts share no prefix; a later request reuses a compressed one's untouched blocks)
+    "hybrid": dict(
+        plugin={**ENGINE_OPTIONS, "record_selections": True},
+        model=lambda: hybrid_smollm2()[0],
+        kv_cache_memory_bytes=pool_of(160),
+        enable_prefix_caching=True,
+    ),
     # vLLM's prefix cache on: every uncompressed request may take hits, which the other engines' exactness tests
     # (answers computed from scratch) assume away; the default engine, with it off, is this one's reference
     "prefix_cache": dict(
@@ -124,6 +133,8 @@ def shared_engine(name: str):
     """The session's engine of configuration ``name`` (:data:`ENGINES`), started on first use."""
     if name not in _ENGINES:
         config = dict(ENGINES[name])
+        if callable(config.get("model")):  # a model folder the tests make
+            config["model"] = config["model"]()
         _ENGINES[name] = make_llm(config.pop("plugin"), **config)
     return _ENGINES[name]
 
@@ -194,6 +205,7 @@ chunked_prefill_engine = _checked_engine("chunked_prefill")
 small_pool_engine = _checked_engine("small_pool")
 bounded_engine = _checked_engine("bounded")
 prefix_cache_engine = _checked_engine("prefix_cache")
+hybrid_engine = _checked_engine("hybrid")
 
 
 def step_limit(scheduler) -> int:
@@ -504,6 +516,55 @@ def tiny_llama(tmp_path_factory) -> str:
     if "path" not in _TINY_LLAMA:
         _TINY_LLAMA["path"] = make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
     return _TINY_LLAMA["path"]
+
+
+HYBRID_WINDOW = 128  # the sliding window of the hybrid SmolLM2's sliding layers
+
+
+def hybrid_layer_types(num_layers: int) -> list[str]:
+    """Two sliding-window layers, then one full-attention layer (as Gemma 3 and gpt-oss alternate them)."""
+    return ["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(num_layers)]
+
+
+def make_hybrid_smollm2(folder: Path) -> tuple[str, str]:
+    """
+    SmolLM2's trained weights as a hybrid model: two sliding-window layers of :data:`HYBRID_WINDOW` tokens beside each
+    full-attention one (``layer_types``), in two folders sharing the weights: ``(vLLM's, transformers')``. vLLM reads
+    ``layer_types`` in its Llama; transformers' Llama has no sliding window, its Ministral (Llama's layers with
+    ``layer_types``) serves as the reference.
+    """
+    source = Path(model_path())
+    config = json.loads((source / "config.json").read_text())
+    config.update(sliding_window=HYBRID_WINDOW, layer_types=hybrid_layer_types(config["num_hidden_layers"]))
+    paths = []
+    for kind, architecture, model_type in (("vllm", "LlamaForCausalLM", "llama"), ("reference", "MinistralForCausalLM",
+                                                                                    "ministral")):  # fmt: skip
+        target = folder / kind
+        target.mkdir(parents=True)
+        (target / "config.json").write_text(
+            json.dumps({**config, "architectures": [architecture], "model_type": model_type}, indent=1)
+        )
+        for item in source.iterdir():
+            if item.name != "config.json":
+                (target / item.name).symlink_to(item.resolve())
+        paths.append(str(target))
+    return paths[0], paths[1]
+
+
+_HYBRID: dict = {}
+
+
+def hybrid_smollm2() -> tuple[str, str]:
+    """The session's hybrid SmolLM2 folders (:func:`make_hybrid_smollm2`), made once."""
+    if "paths" not in _HYBRID:
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="hybrid-smollm2-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _HYBRID["paths"] = make_hybrid_smollm2(folder)
+    return _HYBRID["paths"]
 
 
 def token_ids() -> list[int]:

@@ -15,6 +15,52 @@ def load_reference_model(path, dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
 
 
+def sliding_window(model) -> int | None:
+    """The window of a hybrid model's sliding-window layers (``layer_types``), None where every layer is full."""
+    types = getattr(model.config, "layer_types", None) or ()
+    return model.config.sliding_window if "sliding_attention" in types else None
+
+
+def new_cache(model) -> DynamicCache:
+    """An empty cache: a hybrid model's sliding-window layers hold their window, as vLLM's sliding-window groups do."""
+    return DynamicCache(config=model.config) if sliding_window(model) else DynamicCache()
+
+
+def _held(cache, index: int) -> int:
+    keys = getattr(cache.layers[index], "keys", None)
+    return 0 if keys is None or keys.dim() < 3 else keys.shape[-2]
+
+
+def attention_masks(model, cache, first: int, q_len: int) -> dict | None:
+    """
+    The masks of ``q_len`` tokens at positions ``first ..`` of a hybrid model (None for any other: transformers' own):
+    in the full-attention layers, every entry the cache holds (what a compaction kept, whatever its position) and the
+    new tokens causally; in the sliding-window layers, the entries whose positions lie within the window.
+    Transformers derives one mask from the positions for every layer of a kind, which a compacted cache no longer
+    matches.
+    """
+    window = sliding_window(model)
+    if window is None:
+        return None
+    types = model.config.layer_types
+    full_layers = [i for i, kind in enumerate(types) if kind == "full_attention"]
+    held = {_held(cache, i) for i in full_layers}
+    assert len(held) == 1, f"full-attention layers hold different numbers of entries: {held}"
+    past = held.pop()
+    rows = torch.arange(q_len)[:, None]
+    column = torch.arange(past + q_len)[None]
+    full = (column < past) | (column - past <= rows)
+    past_window = _held(cache, types.index("sliding_attention"))
+    key_positions = first - past_window + torch.arange(past_window + q_len)[None]
+    query_positions = first + rows
+    sliding = (key_positions <= query_positions) & (query_positions - key_positions < window)
+
+    def additive(visible: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(visible.shape, dtype=model.dtype).masked_fill(~visible, float("-inf"))[None, None]
+
+    return {"full_attention": additive(full), "sliding_attention": additive(sliding)}
+
+
 def layer_index(layer_name: str) -> int:
     """``model.layers.12.self_attn.attn`` -> 12."""
     parts = layer_name.split(".")
@@ -33,6 +79,7 @@ def greedy_decode(model, cache, logits: torch.Tensor, n_prompt: int, max_new_tok
             past_key_values=cache,
             position_ids=torch.tensor([[n_prompt + step]]),
             cache_position=torch.tensor([cached]),
+            attention_mask=attention_masks(model, cache, n_prompt + step, 1),
             use_cache=True,
         )
         tokens.append(int(out.logits[0, -1].argmax()))
@@ -46,7 +93,7 @@ def greedy_after_eviction(model, prompt_ids: list[int], kept: dict[str, list[lis
     positions ``kept[layer_name][head]`` (all of them when ``kept`` is None).
     """
     input_ids = torch.tensor([prompt_ids])
-    cache = DynamicCache()
+    cache = new_cache(model)
     out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
     if kept is not None:
         for name, heads in kept.items():
@@ -66,7 +113,7 @@ def greedy_with_compactions(model, prompt_ids: list[int], stages: list[dict], ma
     keeps only the positions ``stage["kept"][layer_name][head]`` (the same number in every head). Prompt tokens after
     the prompt's last compaction are prefilled as one more chunk; decoding continues at position ``N``.
     """
-    cache = DynamicCache()
+    cache = new_cache(model)
     held: dict[int, torch.Tensor] = {}  # layer index -> (H_kv, entries) the positions the cache holds
     by_seen = {stage["seen"]: stage["kept"] for stage in stages}
     done = 0  # tokens seen at the last compaction
@@ -78,6 +125,7 @@ def greedy_with_compactions(model, prompt_ids: list[int], stages: list[dict], ma
             past_key_values=cache,
             position_ids=torch.arange(first, first + len(tokens))[None],
             cache_position=torch.arange(cached, cached + len(tokens)),
+            attention_mask=attention_masks(model, cache, first, len(tokens)),
             use_cache=True,
         )
 
@@ -146,7 +194,7 @@ def greedy_with_head_masks(model, prompt_ids: list[int], kept: dict[str, list[li
 
     AttentionInterface.register("kvpress_critical_masked", _masked_eager)
     n_prompt = len(prompt_ids)
-    cache = DynamicCache()
+    cache = new_cache(model)
     out = model(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True)
     tokens = [int(out.logits[0, -1].argmax())]
     _DROPPED.clear()
@@ -158,8 +206,11 @@ def greedy_with_head_masks(model, prompt_ids: list[int], kept: dict[str, list[li
     previous = model.config._attn_implementation
     model.set_attn_implementation("kvpress_critical_masked")
     try:
-        for _ in range(max_new_tokens - 1):
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+        for step in range(max_new_tokens - 1):
+            masks = attention_masks(model, cache, n_prompt + step, 1)
+            out = model(
+                input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, attention_mask=masks, use_cache=True
+            )
             tokens.append(int(out.logits[0, -1].argmax()))
     finally:
         model.set_attn_implementation(previous)

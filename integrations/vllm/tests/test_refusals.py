@@ -151,8 +151,9 @@ def test_other_vllm_versions_refuse(monkeypatch):
         build()
 
 
-def test_sliding_window_models_refuse(tmp_path):
-    """A Mistral-style config with a sliding window (hybrid KV-cache groups refuse the same way)."""
+def test_models_whose_every_layer_is_sliding_window_refuse(tmp_path):
+    """A Mistral-style config with a sliding window in every layer: nothing to compress (models that alternate
+    sliding-window and full-attention layers are served: test_hybrid.py)."""
     source = model_path()
     folder = tmp_path / "sliding"
     shutil.copytree(source, folder, symlinks=True)
@@ -160,7 +161,7 @@ def test_sliding_window_models_refuse(tmp_path):
     (folder / "config.json").unlink()
     config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=256)
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(EngineConfigError, match="full attention"):
+    with pytest.raises(EngineConfigError, match="every attention layer has a sliding window of 256 tokens"):
         build(model=str(folder))
 
 

@@ -729,3 +729,87 @@ def test_the_vllm_surface_the_plugin_relies_on_is_there():
         except (ImportError, AttributeError, AssertionError) as error:
             missing.append(f"{module}.{name} ({kind}): {error}")
     assert not missing, "\n".join(missing)
+
+
+# ---------------------------------------------------------------------------------------------- hybrid KV-cache groups
+def _group(kind: str, window: int | None = None):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    shape = dict(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    spec = {
+        "full": lambda: FullAttentionSpec(**shape, sliding_window=window),
+        "sliding": lambda: SlidingWindowSpec(**shape, sliding_window=window),
+        "mamba": lambda: MambaSpec(block_size=32, shapes=((4, 4),), dtypes=(torch.float32,)),
+    }[kind]()
+    return SimpleNamespace(kv_cache_spec=spec, layer_names=[f"{kind}.{window}"])
+
+
+@pytest.mark.parametrize(
+    "kinds,index",
+    [(["full"], 0), (["sliding", "sliding", "full"], 2), (["full", "sliding"], 0)],
+)
+def test_the_plugin_compresses_the_one_full_attention_group(kinds, index):
+    from kvpress_critical_vllm.kv_spec import compressed_group
+
+    groups = [_group(kind, 128 if kind == "sliding" else None) for kind in kinds]
+    assert compressed_group(groups) == index
+
+
+@pytest.mark.parametrize(
+    "groups,longer_than_pool,message",
+    [
+        ([("sliding", 128), ("sliding", 128)], False, "every attention layer is sliding-window"),
+        ([("full", None), ("mamba", None)], False, "MambaSpec keep another kind of state"),
+        ([("full", None), ("full", None), ("sliding", 64)], False, "into 2 KV-cache groups"),
+        ([("full", 128)], False, "Unset disable_hybrid_kv_cache_manager"),
+        ([("full", None), ("sliding", 64)], True, "max_model_len longer than the KV pool"),
+    ],
+)
+def test_kv_cache_groups_the_plugin_cannot_compress_refuse(groups, longer_than_pool, message):
+    from kvpress_critical_vllm.engine_config import EngineConfigError
+    from kvpress_critical_vllm.kv_spec import compressed_group
+
+    with pytest.raises(EngineConfigError, match=message):
+        compressed_group([_group(kind, window) for kind, window in groups], longer_than_pool)
+    if not longer_than_pool:
+        return
+    assert compressed_group([_group(kind, window) for kind, window in groups]) == 0  # within the pool: served
+
+
+def test_a_sliding_window_group_holds_vllms_admission_cap_at_most():
+    from kvpress_critical_vllm.kv_spec import window_blocks
+
+    config = SimpleNamespace(max_in_flight_tokens=64, model_config=SimpleNamespace(max_model_len=2048))
+    groups = [_group("sliding", 128), _group("full"), _group("sliding", 128)]
+    blocks = window_blocks(groups, 1, config)
+    cap = -(-(128 - 1 + 64) // 32) + 1  # vLLM's: the window, the tokens in flight, one block for an unaligned start
+    assert [blocks(n) for n in (1, 32, 33, 100, 4096)] == [2, 2, 4, 2 * 4, 2 * cap]
+    assert window_blocks([_group("full")], 0, config)(4096) == 0
+
+
+def test_admission_counts_the_sliding_window_groups_beside_the_compressed_one():
+    from kvpress_critical_vllm.pool_guard import PoolGuard
+    from kvpress_critical_vllm.tracking import Tracked
+
+    options = CompressionOptions(press="critical_knorm", compression_ratio=0.5, compression_chunk_size=128)
+    request = SimpleNamespace(num_tokens=1024, num_prompt_tokens=1024)
+    tracked = Tracked(options, Schedule(options, 1024, 32))
+    alone = PoolGuard(32, 200, longer_than_pool=False, reserve_full_isl=True)
+    beside = PoolGuard(32, 200, longer_than_pool=False, reserve_full_isl=True, companion_blocks=lambda n: 7)
+    needed = next(free for free in range(200) if alone.admit(request, tracked, free, False)[0])
+    assert beside.admit(request, tracked, needed + 7, False) == (True, False)
+    assert beside.admit(request, tracked, needed + 6, False)[0] is False
+
+
+def test_a_sliding_window_layer_in_the_compressed_group_refuses():
+    from kvpress_critical_vllm.engine_config import EngineConfigError
+    from kvpress_critical_vllm.worker import check_attention_impl
+
+    for window in (127, (127, 0)):  # CPU_ATTN's, FLASH_ATTN's
+        impl = SimpleNamespace(alibi_slopes=None, logits_soft_cap=0, sinks=None, sliding_window=window)
+        with pytest.raises(EngineConfigError, match="sliding window"):
+            check_attention_impl("model.layers.0.self_attn.attn", impl)
+    for none in (None, -1, (-1, -1)):
+        check_attention_impl(
+            "l", SimpleNamespace(alibi_slopes=None, logits_soft_cap=0, sinks=None, sliding_window=none)
+        )

@@ -1,0 +1,120 @@
+"""The architectures people serve, as tiny random-weight models (``architectures.py``): each is served by the plugin,
+its answers equal to transformers' keeping the same entries in its full-attention layers, or refused with the reason.
+
+Served: Qwen2, Qwen3, Phi-3 (fused QKV) and Gemma 3 (five sliding-window layers per full-attention one in Gemma 3
+itself; two here), each with a uniform and a head-wise press in one batch; Qwen3-MoE with a uniform press in an engine
+process of its own. Refused: Gemma 2 (a logits soft cap) and gpt-oss (attention sinks) when the worker checks their
+layers, in that process; Qwen3-Next (linear attention) when the engine's configuration is built. Llama is the rest of
+the suite's model; Mistral with a sliding window in every layer is refused in test_refusals.py. Each served model is
+one more in-process engine (a few seconds each): the complete tier.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from architectures import configs, make_model
+from conftest import make_llm, model_path, run_batch, scheduler_of
+from reference import greedy_after_eviction, greedy_with_head_masks, load_reference_model
+from workload import Row
+
+SERVED = ["qwen2", "qwen3", "phi3", "gemma3"]
+# in one engine process, the mixture-of-experts models first: vLLM creates its expert-parallel group with the
+# process's first engine, which in the suite's process is a dense model
+OWN_PROCESS = {"qwen3_moe": "served", "gpt_oss": "attention sinks", "gemma2": "a logits soft cap"}
+NEW_TOKENS = 12
+ROWS = (
+    Row("models/critical_snapkv-300", "uniform", 0, 300, {"press": "critical_snapkv"}, NEW_TOKENS),
+    Row("models/critical_adakv_snapkv-389", "head_wise", 61, 389, {"press": "critical_adakv_snapkv"}, NEW_TOKENS),
+)
+
+
+def tiny_model(name: str, tmp_path_factory) -> str:
+    return make_model(name, tmp_path_factory.mktemp(name), Path(model_path()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SERVED)
+def test_the_architecture_is_served_exactly(name, tmp_path_factory, prompt_ids):
+    path = tiny_model(name, tmp_path_factory)
+    llm = make_llm(
+        {"press": "critical_snapkv", "compression_ratio": 0.5, "record_selections": True},
+        model=path, max_model_len=1024, kv_cache_memory_bytes=24 * 2**20,
+    )  # fmt: skip
+    scheduler = scheduler_of(llm)
+    groups = scheduler.kv_cache_config.kv_cache_groups
+    compressed = set(groups[scheduler.kvpress_group].layer_names)
+    types = configs()[name][1].get("layer_types")
+    assert len(groups) == (
+        1 if types is None else 1 + types.count("sliding_attention") // types.count("full_attention")
+    )
+    uniform, head_wise = run_batch(llm, ROWS, prompt_ids)
+    reference = load_reference_model(path)
+    for result in (uniform, head_wise):
+        assert set(result.kept) == compressed, result.row.name  # the full-attention layers, every one of them
+    n = len(uniform.prompt)
+    assert {len(heads[0]) for heads in uniform.kept.values()} == {n - (n - int(n * 0.5)) // 32 * 32}
+    assert uniform.tokens == greedy_after_eviction(reference, uniform.prompt, uniform.kept, NEW_TOKENS)
+    assert head_wise.tokens == greedy_with_head_masks(reference, head_wise.prompt, head_wise.kept, NEW_TOKENS)
+
+
+ENGINE_PROCESS = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM, SamplingParams
+from kvpress_critical_vllm.engine_config import EngineConfigError
+jobs = json.loads(sys.argv[1])
+results = {}
+for name, path in jobs["models"].items():
+    try:
+        llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=1024, block_size=32,
+                  kv_cache_memory_bytes=24 * 2**20, additional_config={"kvpress_critical": {
+                      "press": "critical_snapkv", "compression_ratio": 0.5, "record_selections": True}})
+    except EngineConfigError as error:
+        results[name] = {"refused": str(error)}
+        continue
+    params = SamplingParams(max_tokens=jobs["new_tokens"], temperature=0)
+    (output,) = llm.generate([{"prompt_token_ids": jobs["prompt"]}], params)
+    (kept,) = llm.collective_rpc("kvpress_critical_selections")[0].values()
+    results[name] = {"tokens": list(output.outputs[0].token_ids), "kept": kept}
+print("RESULTS " + json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_mixture_of_experts_models_are_served_and_sinks_and_soft_caps_refuse(tmp_path_factory, prompt_ids):
+    """In one engine process (a refused in-process engine would take the session's distributed state down with it):
+    Qwen3-MoE answers as transformers keeping the same entries; gpt-oss and Gemma 2 are refused when the worker checks
+    their layers, each refusal naming the layer and what it uses."""
+    paths = {name: tiny_model(name, tmp_path_factory) for name in OWN_PROCESS}
+    prompt = ROWS[0].prompt(prompt_ids)
+    job = json.dumps({"models": paths, "prompt": prompt, "new_tokens": NEW_TOKENS})
+    run = subprocess.run([sys.executable, "-c", ENGINE_PROCESS, job], capture_output=True, text=True, timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert lines, run.stderr[-3000:]
+    results = json.loads(lines[-1].removeprefix("RESULTS "))
+    for name, expected in OWN_PROCESS.items():
+        if expected == "served":
+            served = results[name]
+            assert served.get("kept") is not None, served
+            reference = load_reference_model(paths[name])
+            assert served["tokens"] == greedy_after_eviction(reference, prompt, served["kept"], NEW_TOKENS)
+            continue
+        refusal = results[name]["refused"]
+        assert refusal.startswith("kvpress_critical cannot compress layer model.layers."), refusal
+        assert f"it uses {expected}" in refusal, refusal
+
+
+def test_linear_attention_hybrids_refuse_when_the_configuration_is_built(tmp_path_factory):
+    from kvpress_critical_vllm.engine_config import EngineConfigError
+    from vllm.engine.arg_utils import EngineArgs
+
+    path = tiny_model("qwen3_next", tmp_path_factory)
+    args = EngineArgs(
+        model=path, dtype="float32", enforce_eager=True, max_model_len=1024, block_size=32,
+        additional_config={"kvpress_critical": {"compression_ratio": 0.5}},
+    )  # fmt: skip
+    with pytest.raises(EngineConfigError, match="linear-attention, Mamba and attention-free layers keep a recurrent"):
+        args.create_engine_config()
