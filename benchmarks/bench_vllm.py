@@ -190,7 +190,7 @@ def ratio_to(measured: dict, name: str, base: str, metric: str) -> float:
     return statistics.median(ours[metric] / theirs[metric] for ours, theirs in zip(measured[name], measured[base]))
 
 
-def summarise(measured: dict, configs: list) -> tuple[list[dict], list[list]]:
+def summarise(measured: dict, configs: list, goals: bool = True) -> tuple[list[dict], list[list]]:
     """Per configuration: the median of each metric over the repeats so far, its ratios to stock vLLM, and (head-wise
     presses) to the uniform press at the same ratio."""
     rows, table = [], []
@@ -234,7 +234,7 @@ def summarise(measured: dict, configs: list) -> tuple[list[dict], list[list]]:
                 if row[key] == row[key]  # not NaN (no lone prompt)
             )  # fmt: skip
         rows.append(row)
-        goal = "" if not ratio else f" (goal {0.9 / (1 - ratio):.2f})"
+        goal = "" if not (ratio and goals) else f" (goal {0.9 / (1 - ratio):.2f})"
         table.append(
             [
                 name,
@@ -346,13 +346,18 @@ def main(argv=None) -> int:
     ]
     measured = {name: [] for name, _, _ in configs}
     workload_name = "" if args.workload == "random" else f"_{args.workload}"
-    stem = output_stem(args, f"vllm{workload_name}{'_prefix_cache' if args.prefix_caching else ''}")
+    # a hybrid model (sliding-window layers beside full-attention ones): the same pool bytes, its own results
+    hybrid = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+    stem = output_stem(
+        args, f"vllm{'_hybrid' if hybrid else ''}{workload_name}{'_prefix_cache' if args.prefix_caching else ''}"
+    )
     with tqdm(total=args.repeats * len(configs), desc="runs") as progress:
         for repeat in range(args.repeats):
             for name, llm, ratio in configs:
                 measured[name].append(run(llm, conversations, ratio, f"{repeat}-{name}", lone))
                 progress.update()
-            rows, table = summarise(measured, configs)
+            # a hybrid model's sliding-window layers keep their windows: no goal from the ratio alone
+            rows, table = summarise(measured, configs, goals=not hybrid)
             what = {
                 "random": f"{args.requests} requests submitted at once, prompts of {args.min_prompt}-{args.max_prompt} "
                 "tokens",
@@ -366,8 +371,14 @@ def main(argv=None) -> int:
                 + (f", then one {args.lone_prompt}-token prompt alone (lone TTFT)" if lone else "")
                 + (f"; SnapKV's window {args.window_size} tokens" if args.window_size else "")
                 + "; one KV pool of "
-                f"{blocks} blocks of {args.block_size} tokens ({args.pool_tokens} tokens, {args.dtype}) for both "
-                f"engines; engines in one process, enforce_eager, "
+                + (
+                    f"the bytes of {args.pool_tokens} tokens in every layer ({args.dtype}; the full-attention layers' "
+                    f"blocks and the sliding-window layers' windows share it) for both "
+                    if hybrid
+                    else f"{blocks} blocks of {args.block_size} tokens ({args.pool_tokens} tokens, {args.dtype}) "
+                    "for both "
+                )
+                + "engines; engines in one process, enforce_eager, "
                 f"{'prefix caching on' if args.prefix_caching else 'no prefix caching'}; medians of {repeat + 1} "
                 "interleaved repeats, ratios to stock vLLM measured in the same repeat"
             )

@@ -117,10 +117,18 @@ MUTANTS = (
     ),
     Mutant(
         "prefix-cache-keeps-a-rewritten-hash", "scheduler", f"{PLUGIN}/prefix_cache.py",
-        "        self.metrics.unhashed(unhash_blocks(scheduler, request_id, first, end))",
+        "        self.metrics.unhashed(unhash_blocks(scheduler, request_id, first, end, group))",
         "        self.metrics.unhashed(0)",
         "a hash left on a rewritten block: a later request with the same prefix is served the compacted entries",
         plugin_tests("prefix_cache"),
+    ),
+    Mutant(
+        "scheduler-frees-a-sliding-window-groups-blocks", "scheduler", f"{PLUGIN}/scheduler.py",
+        "        remove_blocks(self, request.request_id, plan.start, plan.evicted, self.kvpress_group)",
+        "        remove_blocks(self, request.request_id, plan.start, plan.evicted, 0)",
+        "a hybrid model's compaction frees blocks of the first KV-cache group (sliding-window layers) instead of the "
+        "full-attention group's: the compacted entries stay allocated, the window loses blocks it still reads",
+        plugin_tests("hybrid"),
     ),
     Mutant(
         "layouts-tail-offsets-wrong-head-stride", "layouts", f"{PLUGIN}/layouts.py",

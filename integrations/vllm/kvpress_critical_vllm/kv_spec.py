@@ -51,14 +51,15 @@ def bounded_specs(specs: dict[str, KVCacheSpec], options: CompressionOptions, ma
     return bounded
 
 
-def compressed_group(groups: list, longer_than_pool: bool = False) -> int:
+def compressed_group(groups: list, longer_than_pool: bool = False, tensor_parallel_size: int = 1) -> int:
     """
     The index of the KV-cache group the plugin compresses among vLLM's ``kv_cache_groups``: the one group of
     full-attention layers. Beside it, groups of sliding-window layers (Gemma 3, gpt-oss-style alternation, Llama or
     Mistral with ``layer_types``) are left to vLLM's sliding-window manager, which already frees what leaves their
     window; they hold a window per request, the full-attention group the rest. Any other layout is an
     :class:`~kvpress_critical_vllm.engine_config.EngineConfigError` naming it, as is a ``max_model_len`` longer than
-    the pool (``longer_than_pool``) beside sliding-window groups, whose blocks the bound of a request does not count.
+    the pool (``longer_than_pool``) beside sliding-window groups, whose blocks the bound of a request does not count,
+    and tensor parallelism beside them (not yet run together).
     """
     from kvpress_critical_vllm.engine_config import EngineConfigError
 
@@ -100,6 +101,12 @@ def compressed_group(groups: list, longer_than_pool: bool = False) -> int:
             "sliding-window layers hold blocks beside the compressed full-attention ones, which the bound a "
             "compressed request holds does not count yet. Set max_model_len within the pool (or a larger pool), "
             "or drop the engine-wide compression_chunk_size / compression_interval that bound requests."
+        )
+    if tensor_parallel_size > 1 and len(groups) > 1:
+        raise EngineConfigError(
+            f"kvpress_critical does not compress a model with sliding-window layers over {tensor_parallel_size} "
+            "tensor-parallel ranks yet (not tested together). Serve it with tensor_parallel_size=1, or vLLM without "
+            "the plugin."
         )
     return full[0]
 

@@ -48,7 +48,8 @@ class CompressingSchedulerMixin:
         groups = self.kv_cache_config.kv_cache_groups
         bounded = any(getattr(group.kv_cache_spec, "max_blocks_held", None) is not None for group in groups)
         # the full-attention layers; sliding-window groups are vLLM's
-        self.kvpress_group = compressed_group(groups, longer_than_pool=bounded)
+        tp_size = self.vllm_config.parallel_config.tensor_parallel_size
+        self.kvpress_group = compressed_group(groups, longer_than_pool=bounded, tensor_parallel_size=tp_size)
         spec = groups[self.kvpress_group].kv_cache_spec
         self.kvpress_block_size = spec.block_size
         self._kvpress_tp_size = self.vllm_config.parallel_config.tensor_parallel_size

@@ -26,7 +26,7 @@ from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from workload import BLOCK_SIZE, ENGINE_OPTIONS, ROWS, Row, sampling_params  # noqa: E402
+from workload import BLOCK_SIZE, ENGINE_OPTIONS, HYBRID_ROWS, ROWS, Row, sampling_params  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.append(str(REPO / "tests"))  # the main suite's background jobs (after this folder: its conftest is ours)
@@ -380,6 +380,12 @@ def mixed_batch(prompt_ids, tmp_path_factory) -> dict[str, Result]:
         run = PressSelections([reference_request(r) for r in compressed], tmp_path_factory.mktemp("press-reference"))
         _REFERENCE_SELECTIONS["run"] = ([r.row.name for r in compressed], run)
     return batch
+
+
+@pytest.fixture(scope="session")
+def hybrid_batch(prompt_ids) -> dict[str, Result]:
+    """The hybrid engine's batch (``workload.HYBRID_ROWS``: every schedule on the hybrid SmolLM2), then idle."""
+    return {result.row.name: result for result in run_batch(shared_engine("hybrid"), HYBRID_ROWS, prompt_ids)}
 
 
 @pytest.fixture(scope="session")

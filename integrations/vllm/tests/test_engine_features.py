@@ -16,7 +16,7 @@ import background
 import pytest
 from conftest import ENGINES, engine_kwargs, run_batch, serve, shared_engine, tiny_llama, token_ids
 from selections import same_entries
-from workload import ENGINE_OPTIONS, ROWS, rows_of
+from workload import ENGINE_OPTIONS, HYBRID_ROWS, ROWS, rows_of
 
 pytestmark = pytest.mark.slow
 
@@ -79,6 +79,8 @@ def bounded_prompts(ids: list[int]) -> list[list[int]]:
 
 def engine_job(name: str, async_scheduling: bool, prompts, requests, ids) -> dict:
     config = dict(ENGINES[name])
+    if callable(config.get("model")):  # a model folder the tests make
+        config["model"] = config["model"]()
     engine = engine_kwargs(**{key: value for key, value in config.items() if key != "plugin"})
     return dict(engine=engine, plugin=config["plugin"], prompts=prompts, requests=requests,
                 async_scheduling=async_scheduling)  # fmt: skip
@@ -86,8 +88,9 @@ def engine_job(name: str, async_scheduling: bool, prompts, requests, ids) -> dic
 
 @background.job("async-scheduling")
 def async_scheduling_job(tmp_path_factory) -> background.Job:
-    """One engine process, two configurations in turn: the default engine's (a request of every kind of the mixed
-    batch), then the bounded engine's (longer than the pool)."""
+    """One engine process, three configurations in turn: the default engine's (a request of every kind of the mixed
+    batch), the bounded engine's (longer than the pool), then the hybrid engine's (its batch: every schedule on a
+    model with sliding-window layers beside full-attention ones)."""
     ids = token_ids()
     rows = [row.prompt(ids) for row in ASYNC_ROWS]
     bounded = [
@@ -95,6 +98,8 @@ def async_scheduling_job(tmp_path_factory) -> background.Job:
     ]
     job = engine_job("default", True, rows, job_requests(ASYNC_ROWS), ids)
     job["then"] = {**engine_job("bounded", True, bounded_prompts(ids), bounded, ids), "count_preemptions": True}
+    hybrid = [row.prompt(ids) for row in HYBRID_ROWS]
+    job["then"]["then"] = engine_job("hybrid", True, hybrid, job_requests(HYBRID_ROWS), ids)
     return engine_process_job(tmp_path_factory.mktemp("async-scheduling"), **job)
 
 
@@ -134,6 +139,16 @@ def test_async_scheduling_longer_than_the_pool(bounded_engine, prompt_ids, backg
     served = serve(bounded_engine, requests)
     assert result["tokens"] == [served.tokens[name] for name in requests]
     assert result["compacted"] == [bounded_engine.collective_rpc("kvpress_critical_compacted")[0] - before]
+
+
+@pytest.mark.background("async-scheduling")
+def test_async_scheduling_on_a_hybrid_model(hybrid_batch, background_job):
+    """The hybrid engine's batch (uniform and head-wise presses, after every chunk, while decoding, uncompressed; the
+    full-attention group compressed beside two sliding-window groups) with async scheduling: the synchronous engine's
+    tokens, nothing tracked after."""
+    result = result_of(background_job)["then"]["then"]
+    assert "CriticalKVAsyncScheduler" in result["scheduler"] and result["tracked"] == [0]
+    assert result["tokens"] == [hybrid_batch[row.name].tokens for row in HYBRID_ROWS]
 
 
 TP_REQUESTS = [

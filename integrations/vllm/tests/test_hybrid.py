@@ -11,9 +11,9 @@ blocks of uncompressed requests, never a block a compaction rewrote.
 """
 
 import pytest
-from conftest import HYBRID_WINDOW, hybrid_layer_types, hybrid_smollm2, run_batch, scheduler_of, serve, shared_engine
+from conftest import HYBRID_WINDOW, hybrid_layer_types, hybrid_smollm2, scheduler_of, serve, shared_engine
 from reference import greedy_after_eviction, greedy_with_compactions, greedy_with_head_masks, load_reference_model
-from workload import BLOCK_SIZE, CHUNK, DECODE_TOKENS, Row
+from workload import BLOCK_SIZE
 
 pytestmark = pytest.mark.slow  # one more engine (the hybrid model) and its references: the complete tier
 
@@ -21,30 +21,6 @@ LAYERS = 30  # SmolLM2's
 FULL = {
     f"model.layers.{i}.self_attn.attn" for i, kind in enumerate(hybrid_layer_types(LAYERS)) if kind == "full_attention"
 }
-
-ROWS = (
-    Row("hybrid/critical_snapkv-389", "uniform", 0, 389, {"press": "critical_snapkv"}),
-    Row("hybrid/knorm-263", "uniform", 37, 263, {"press": "knorm", "compression_ratio": 0.75}),
-    Row("hybrid/critical_streaming_llm-333", "uniform", 74, 333, {"press": "critical_streaming_llm"}),
-    Row("hybrid/critical_adakv_snapkv-389", "head_wise", 53, 389, {"press": "critical_adakv_snapkv"}),
-    Row("hybrid/chunked-critical_snapkv-550", "chunked", 41, 550, {"compression_chunk_size": CHUNK}),
-    Row(
-        "hybrid/decoding-snapkv-400",
-        "decoding",
-        106,
-        400,
-        {"press": "snapkv", "window_size": 32, "compression_interval": 48, "target_size": 160},
-        DECODE_TOKENS,
-        True,
-    ),
-    Row("hybrid/uncompressed-325", "uncompressed", 159, 325, {"compression_ratio": 0.0}),
-)
-
-
-@pytest.fixture(scope="module")
-def hybrid_batch(prompt_ids):
-    """The rows run together by the shared ``hybrid`` engine (checked idle after)."""
-    return {result.row.name: result for result in run_batch(shared_engine("hybrid"), ROWS, prompt_ids)}
 
 
 @pytest.fixture(scope="module")

@@ -756,24 +756,26 @@ def test_the_plugin_compresses_the_one_full_attention_group(kinds, index):
 
 
 @pytest.mark.parametrize(
-    "groups,longer_than_pool,message",
+    "groups,mode,message",
     [
-        ([("sliding", 128), ("sliding", 128)], False, "every attention layer is sliding-window"),
-        ([("full", None), ("mamba", None)], False, "MambaSpec keep another kind of state"),
-        ([("full", None), ("full", None), ("sliding", 64)], False, "into 2 KV-cache groups"),
-        ([("full", 128)], False, "Unset disable_hybrid_kv_cache_manager"),
-        ([("full", None), ("sliding", 64)], True, "max_model_len longer than the KV pool"),
+        ([("sliding", 128), ("sliding", 128)], {}, "every attention layer is sliding-window"),
+        ([("full", None), ("mamba", None)], {}, "MambaSpec keep another kind of state"),
+        ([("full", None), ("full", None), ("sliding", 64)], {}, "into 2 KV-cache groups"),
+        ([("full", 128)], {}, "Unset disable_hybrid_kv_cache_manager"),
+        ([("full", None), ("sliding", 64)], {"longer_than_pool": True}, "max_model_len longer than the KV pool"),
+        ([("full", None), ("sliding", 64)], {"tensor_parallel_size": 2}, "over 2 tensor-parallel ranks"),
     ],
 )
-def test_kv_cache_groups_the_plugin_cannot_compress_refuse(groups, longer_than_pool, message):
+def test_kv_cache_groups_the_plugin_cannot_compress_refuse(groups, mode, message):
     from kvpress_critical_vllm.engine_config import EngineConfigError
     from kvpress_critical_vllm.kv_spec import compressed_group
 
     with pytest.raises(EngineConfigError, match=message):
-        compressed_group([_group(kind, window) for kind, window in groups], longer_than_pool)
-    if not longer_than_pool:
-        return
-    assert compressed_group([_group(kind, window) for kind, window in groups]) == 0  # within the pool: served
+        compressed_group([_group(kind, window) for kind, window in groups], **mode)
+    if mode:  # the same groups in the default mode are served
+        assert compressed_group([_group(kind, window) for kind, window in groups]) == 0
+    if mode.get("tensor_parallel_size"):  # a model of full-attention layers only is served over several ranks
+        assert compressed_group([_group("full")], **mode) == 0
 
 
 def test_a_sliding_window_group_holds_vllms_admission_cap_at_most():

@@ -75,6 +75,26 @@ def _rows() -> tuple[Row, ...]:
 ROWS = _rows()
 
 
+# the hybrid engine's batch (conftest.hybrid_batch, and the async-scheduling engine process): every schedule
+HYBRID_ROWS = (
+    Row("hybrid/critical_snapkv-389", "uniform", 0, 389, {"press": "critical_snapkv"}),
+    Row("hybrid/knorm-263", "uniform", 37, 263, {"press": "knorm", "compression_ratio": 0.75}),
+    Row("hybrid/critical_streaming_llm-333", "uniform", 74, 333, {"press": "critical_streaming_llm"}),
+    Row("hybrid/critical_adakv_snapkv-389", "head_wise", 53, 389, {"press": "critical_adakv_snapkv"}),
+    Row("hybrid/chunked-critical_snapkv-550", "chunked", 41, 550, {"compression_chunk_size": CHUNK}),
+    Row(
+        "hybrid/decoding-snapkv-400",
+        "decoding",
+        106,
+        400,
+        {"press": "snapkv", "window_size": 32, "compression_interval": 48, "target_size": 160},
+        DECODE_TOKENS,
+        True,
+    ),
+    Row("hybrid/uncompressed-325", "uncompressed", 159, 325, {"compression_ratio": 0.0}),
+)
+
+
 def rows_of(kind: str) -> list[Row]:
     return [row for row in ROWS if row.kind == kind]
 
