@@ -8,9 +8,8 @@ with every KV head keeping the same number of entries (uniform presses) or a lay
 (:mod:`kvpress_critical.ops`); the freed blocks go back to vLLM's pool at once, so the scheduler admits more requests,
 and a ``max_model_len`` longer than the pool is served where the schedules bound what a request holds. In hybrid
 models (sliding-window layers beside full-attention ones, as in Gemma 3) the full-attention layers are compressed and
-the sliding-window ones left to vLLM. Engine options
-the plugin cannot honour refuse at start-up; a request's bad options fail in the caller; a failure while serving ends
-the request it concerns, never the engine.
+the sliding-window ones left to vLLM. Engine options the plugin cannot honour refuse at start-up; a request's bad
+options fail in the caller; a failure while serving ends the request it concerns, never the engine.
 
 Modules: :mod:`.options` (what a user asks for), :mod:`.budget` (how many entries and blocks, and when),
 :mod:`.presses` (which entries), :mod:`.engine_config` (what the engine must be), :mod:`.kv_spec` (what a request

@@ -132,8 +132,8 @@ def check_engine_config(vllm_config, cudagraph_requested: bool = True) -> Compre
                 "already holds at most its window and there is no full-attention layer to compress (models that "
                 "alternate sliding-window and full-attention layers, such as Gemma 3, are compressed in their "
                 "full-attention layers)",
-                "Serve the model without the plugin, or without its sliding window (hf_overrides={'sliding_window': "
-                "None}, --hf-overrides '{\"sliding_window\": null}')",
+                "Serve the model without the plugin, or as full attention with disable_sliding_window=True "
+                "(--disable-sliding-window: vLLM then caps max_model_len at the window)",
             )
         if model.uses_mrope:
             raise _refuse("M-RoPE models (multimodal position ids) are not supported", "Serve a text model")

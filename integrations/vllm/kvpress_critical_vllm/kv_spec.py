@@ -79,7 +79,8 @@ def compressed_group(groups: list, longer_than_pool: bool = False, tensor_parall
         raise EngineConfigError(
             f"kvpress_critical cannot compress with this engine: every attention layer is sliding-window ({names}), "
             "so each request already holds at most its window; there is no full-attention layer to compress. Serve "
-            "the model without the plugin, or without its sliding window (e.g. hf_overrides={'sliding_window': None})."
+            "the model without the plugin, or as full attention with disable_sliding_window=True "
+            "(--disable-sliding-window)."
         )
     windowed = [index for index in full if getattr(groups[index].kv_cache_spec, "sliding_window", None) is not None]
     if windowed:
@@ -91,9 +92,9 @@ def compressed_group(groups: list, longer_than_pool: bool = False, tensor_parall
     if len(full) > 1:
         raise EngineConfigError(
             f"kvpress_critical cannot compress with this engine: vLLM split the full-attention layers into "
-            f"{len(full)} KV-cache groups ({names}), and the plugin compresses one. Serve a model with at least as "
-            "many full-attention layers as sliding-window layers per group (Gemma 3's 1:5, gpt-oss's 1:1), or "
-            "without the plugin."
+            f"{len(full)} KV-cache groups ({names}: vLLM makes groups of equal size, and this model has fewer "
+            "sliding-window layers than full-attention ones), and the plugin compresses one group. Serve it without "
+            "the plugin."
         )
     if longer_than_pool and len(groups) > 1:
         raise EngineConfigError(

@@ -141,3 +141,36 @@ def test_the_prefix_cache_beside_a_hybrid_model_never_serves_a_rewritten_block(p
     expected = greedy_after_eviction(hybrid_reference, prompt, None, 16)
     assert list(second.outputs[0].token_ids) == expected
     assert list(third.outputs[0].token_ids) == expected
+
+
+def test_preempted_requests_on_a_hybrid_model_give_the_tokens_they_give_unpreempted(prompt_ids):
+    """Sixteen requests of 600-token prompts generating 120 tokens outgrow the hybrid engine's pool as they generate
+    (483 blocks; a request held whole ends with 23 full-attention blocks and its two windows): vLLM preempts the
+    latest admitted; the compressed ones among them (uniform, after every chunk, head-wise, while decoding) are
+    recomputed and compacted again, and give the tokens they give afterwards without the crowd."""
+    from vllm import SamplingParams
+
+    llm = shared_engine("hybrid")
+    compressed = {
+        "uniform": {"press": "critical_snapkv"},
+        "chunked": {"press": "critical_knorm", "compression_chunk_size": 192},
+        "head_wise": {"press": "critical_adakv_snapkv"},
+        "decoding": {"press": "snapkv", "compression_ratio": 0.0, "window_size": 32, "compression_interval": 48,
+                     "target_size": 384},
+    }  # fmt: skip
+    # the compressed requests last: vLLM preempts the latest-admitted requests first
+    kinds = [*range(12), *compressed]
+    options = [compressed.get(kind, {"compression_ratio": 0.0}) for kind in kinds]
+
+    def params(option):
+        return SamplingParams(max_tokens=120, temperature=0, ignore_eos=True, extra_args={"kvpress_critical": option})
+
+    prompts = [prompt_ids[37 * i : 37 * i + 600] for i in range(len(options))]
+    together = serve(llm, {f"hybrid-crowd-{i}": (p, params(o)) for i, (p, o) in enumerate(zip(prompts, options))})
+    last = {kind: i for i, kind in enumerate(kinds) if kind in compressed}
+    records = {kind: together.records[f"hybrid-crowd-{i}"] for kind, i in last.items()}
+    assert any(record.preemptions > 0 for record in records.values()), "the crowd was meant to preempt a compressed one"
+    alone = serve(llm, {f"hybrid-alone-{i}": (prompts[i], params(options[i])) for i in last.values()})  # they fit
+    for kind, i in last.items():
+        assert alone.records[f"hybrid-alone-{i}"].preemptions == 0
+        assert together.tokens[f"hybrid-crowd-{i}"] == alone.tokens[f"hybrid-alone-{i}"], kind
