@@ -31,14 +31,17 @@ def dense_weight(linear: torch.nn.Module) -> torch.Tensor | None:
 
 
 def output_projections(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``{attention layer name: dense (D, H * d) o_proj weight}`` of every attention layer, in the model's order
+    """``{attention layer name: dense (D, H * d) o_proj weight}`` of every full-attention layer, in the model's order
     (``<prefix>.attn`` beside ``<prefix>.o_proj``); an :class:`~kvpress_critical_vllm.engine_config.EngineConfigError`
-    where a layer has none the plugin can read."""
+    where a layer has none the plugin can read. A hybrid model's sliding-window layers are never compressed (vLLM
+    keeps them in groups of their own), so their weight is not copied."""
     from kvpress_critical_vllm.engine_config import EngineConfigError
 
     modules = dict(model.named_modules())
     weights = {}
     for name, module in attention_modules(model):
+        if module.sliding_window is not None:
+            continue
         o_proj = getattr(modules.get(name.rpartition(".")[0]), "o_proj", None)
         weight = dense_weight(o_proj) if o_proj is not None else None
         if weight is None:

@@ -130,6 +130,7 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.attention.backends.registry", "register_backend", "function"),
     ("vllm.v1.attention.selector", "_cached_get_attn_backend", "function"),
     ("vllm.model_executor.layers.attention", "Attention", "class"),
+    ("vllm.model_executor.layers.attention", "Attention.sliding_window", "attribute"),
     ("vllm.distributed", "get_tp_group", "function"),
     ("vllm.distributed.parallel_state", "GroupCoordinator.cpu_group", "attribute"),
     # the entry points (plugin.py, engine_config.py)

@@ -208,12 +208,13 @@ class CompressingWorkerMixin:
         groups = kv_cache_groups(self.model_runner)
         compressed = compressed_group(groups)
         layers = set(groups[compressed].layer_names)
-        # the full-attention layers only: the sliding-window groups' layers run as vLLM's, with their whole view
-        state.o_proj = {name: weight for name, weight in state.o_proj.items() if name in layers}
+        # the model's full-attention layers (bind_model) are the compressed group's; the sliding-window groups' layers
+        # run as vLLM's, with their whole view
         if set(state.o_proj) != layers:
             raise EngineConfigError(
-                "kvpress_critical cannot compress with this model: its full-attention layers "
-                f"{sorted(layers - set(state.o_proj))} have no dense o_proj the plugin read"
+                f"kvpress_critical cannot compress with this model: the layers whose o_proj it read "
+                f"({len(state.o_proj)}, the full-attention ones) are not the full-attention KV-cache group's "
+                f"({len(layers)}: {sorted(layers ^ set(state.o_proj))[:4]} differ)"
             )
         for name in state.o_proj:
             layer = context[name]

@@ -26,6 +26,8 @@ def _alternating(layers: int, every: int) -> list[str]:
 def configs() -> dict:
     """``{name: (config class name, keyword arguments)}`` of every architecture of the coverage table."""
     return {
+        # tied embeddings, as the tensor-parallel tests' model has always had (they compare ranks, not answers)
+        "llama": ("LlamaConfig", dict(num_hidden_layers=2, tie_word_embeddings=True)),
         "qwen2": ("Qwen2Config", dict(num_hidden_layers=2)),
         "qwen3": ("Qwen3Config", dict(num_hidden_layers=2)),
         "qwen3_moe": (
@@ -50,7 +52,7 @@ def configs() -> dict:
                 sliding_window=WINDOW,
                 layer_types=_alternating(2, 2),
             ),
-        ),  # fmt: skip
+        ),
         "qwen3_next": (
             "Qwen3NextConfig",
             dict(
@@ -65,7 +67,7 @@ def configs() -> dict:
                 moe_intermediate_size=128,
                 shared_expert_intermediate_size=128,
             ),
-        ),  # fmt: skip
+        ),
     }
 
 

@@ -494,24 +494,10 @@ def server(background_jobs):
 
 def make_tiny_llama(folder: Path) -> str:
     """A two-layer Llama with 4 query and 2 KV heads (random weights, SmolLM2's tokenizer) saved in ``folder``, for
-    tensor parallelism (TP=2 needs an even number of KV heads; SmolLM2 has 3)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    tensor parallelism (TP=2 needs an even number of KV heads; SmolLM2 has 3): ``architectures.py``'s ``llama``."""
+    from architectures import make_model
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "q_proj" in name or "k_proj" in name:
-                param.mul_(4.0)  # peaky attention, as in trained models
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((Path(model_path()) / name).read_bytes())
-    return str(folder)
+    return make_model("llama", folder, Path(model_path()))
 
 
 _TINY_LLAMA: dict = {}
@@ -543,8 +529,8 @@ def make_hybrid_smollm2(folder: Path) -> tuple[str, str]:
     config = json.loads((source / "config.json").read_text())
     config.update(sliding_window=HYBRID_WINDOW, layer_types=hybrid_layer_types(config["num_hidden_layers"]))
     paths = []
-    for kind, architecture, model_type in (("vllm", "LlamaForCausalLM", "llama"), ("reference", "MinistralForCausalLM",
-                                                                                    "ministral")):  # fmt: skip
+    kinds = (("vllm", "LlamaForCausalLM", "llama"), ("reference", "MinistralForCausalLM", "ministral"))
+    for kind, architecture, model_type in kinds:
         target = folder / kind
         target.mkdir(parents=True)
         (target / "config.json").write_text(
