@@ -167,6 +167,23 @@ MUTANTS = (
          "tests/presses/test_model_matrix.py"),
     ),
     Mutant(
+        "fp8-scores-codes-without-their-scales", "worker", f"{PLUGIN}/kv_codes.py",
+        "        keys = (self.codes(keys).float() * self.k_scale).to(dtype)",
+        "        keys = self.codes(keys).float().to(dtype)",
+        "an fp8 cache's keys are scored as their codes, without the layer's k_scale: SnapKV's softmax sees other "
+        "scores and the selection is not the rule's on the cached entries",
+        plugin_tests("fp8_units"),
+    ),
+    Mutant(
+        "fp8-compaction-requantizes-the-kept-entries", "layouts", f"{PLUGIN}/layouts.py",
+        "        flat[(*index, key_offsets)] = keys.to(flat.dtype)",
+        "        flat[(*index, key_offsets)] = keys.to(torch.float8_e5m2).view(torch.uint8) "
+        "if flat.dtype == torch.uint8 else keys.to(flat.dtype)",
+        "a compaction writes the kept keys of an fp8 cache re-encoded in another fp8 format instead of moving their "
+        "bytes",
+        plugin_tests("fp8_units"),
+    ),
+    Mutant(
         "selection-window-sees-itself-late", "selection", "kvpress_critical/selection/scorers.py",
         "    causal = positions[None, :] > (k_len - window + torch.arange(window, device=keys.device))[:, None]",
         "    causal = positions[None, :] >= (k_len - window + torch.arange(window, device=keys.device))[:, None]",

@@ -189,3 +189,52 @@ def test_triton_kernel_compiles_for_gpus_without_spilling():
     assert all(0 < r["registers"] <= 255 for r in rows)
     spilling = [r for r in rows if r["spill_stores"] > 64]
     assert not spilling, spilling
+
+
+# ------------------------------------------------------------------------------------------------ fp8 caches (vLLM's)
+def fp8_layout(group, q_len, block_size, cache_dtype, dtype=torch.float32, bsz=3):
+    seg_lens = seg_lens_for(bsz, block_size)
+    tail_lens = [q_len + (0, 9, 37)[b % 3] for b in range(bsz)]
+    return random_paged_layout(
+        bsz, 2, group, q_len, 64, block_size, seg_lens, tail_lens, dtype=dtype, cache_dtype=cache_dtype
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("q_len", [1, 6])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fp8_codes_are_read_with_their_scales(cache_dtype, q_len, dtype):
+    """An fp8 cache's entries are its codes times the per-tensor scales: the op over the codes equals the float64
+    reference over the same codes, and equals the op over a float32 cache holding the dequantized entries."""
+    inputs = fp8_layout(4, q_len, 16, cache_dtype, dtype)
+    assert inputs["region_keys"].dtype == cache_dtype and inputs["k_scale"] != inputs["v_scale"]
+    ref = paged_ragged_attention_ref(**inputs).double()
+    out = paged_ragged_attention(**inputs, backend="auto")
+    assert out.dtype == dtype and not torch.isnan(out).any()
+    rtol, atol = ATTENTION_TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=atol + rtol * 4)
+    # the same entries stored as floats: keys are the first half of each region block and of each tail block-head
+    dequantized = dict(inputs)
+    del dequantized["k_scale"], dequantized["v_scale"]
+    for name, scale in (("region_keys", inputs["k_scale"]), ("region_values", inputs["v_scale"])):
+        dequantized[name] = inputs[name].float() * scale
+    flat = inputs["tail_keys"].float()
+    keys_flat, values_flat = flat * inputs["k_scale"], flat * inputs["v_scale"]
+    dequantized["tail_keys"], dequantized["tail_values"] = keys_flat, values_flat
+    expected = paged_ragged_attention_ref(**dequantized).double()
+    torch.testing.assert_close(ref, expected, rtol=0, atol=1e-12)
+
+
+def test_fp8_codes_go_to_the_torch_backend_and_the_kernels_refuse_them_by_name():
+    inputs = fp8_layout(2, 1, 8, torch.float8_e4m3fn)
+    assert PAGED_RAGGED_ATTENTION.resolve("auto", torch.device("cpu"), inputs["query"], inputs["region_keys"]) == (
+        "torch"
+    )
+    for name in ("cpp", "triton"):
+        if name == "triton" and "cpu" not in PAGED_RAGGED_ATTENTION[name].device_types():
+            continue
+        with pytest.raises(RuntimeError, match="float8_e4m3fn codes"):
+            paged_ragged_attention(**inputs, backend=name)
+    float_inputs = layout(1, 2, 1, 64, 8, torch.float32)
+    with pytest.raises(ValueError, match="scale fp8 codes"):
+        paged_ragged_attention(**float_inputs, k_scale=0.5, backend="torch")

@@ -74,13 +74,14 @@ class CompressingImplMixin:
             state.capture(layer.layer_name, query, plan)  # (tokens, H, d)
         return result
 
-    def paged_layout(self, layer, kv_cache: torch.Tensor):
-        """How to read this backend's cache by slot (probed or split), checked by a round trip on scratch blocks."""
+    def paged_layout(self, layer, kv_cache: torch.Tensor, codes=None, dtype: torch.dtype | None = None):
+        """How to read this backend's cache by slot (probed or split), checked by a round trip on scratch blocks;
+        ``codes`` (:class:`~kvpress_critical_vllm.kv_codes.KVCodes`) and ``dtype`` (the model's) for an fp8 cache."""
         if self.layout_kind == "learned":
-            layout = LearnedBlockLayout.probe(self, layer, kv_cache)
+            layout = LearnedBlockLayout.probe(self, layer, kv_cache, codes, dtype)
         else:
             layout = SplitLayout(split_flash_attn, self.head_size)
-        check_round_trip(self, layer, kv_cache, layout)
+        check_round_trip(self, layer, kv_cache, layout, codes, dtype)
         return layout
 
 

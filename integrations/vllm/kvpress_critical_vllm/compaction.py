@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kvpress_critical_vllm.kv_codes import KVCodes
 from kvpress_critical_vllm.layouts import region_views
 from kvpress_critical_vllm.presses import heads_per_chunk, layer_scores, select
 from kvpress_critical_vllm.protocol import PluginStateError
@@ -49,11 +50,13 @@ class Outcome:
 @dataclass
 class Compactor:
     """One worker's compactions: reads and writes its paged cache through ``layout`` (set once the cache exists) and
-    scores with the layers' dense ``o_proj`` weights, on one of ``tp_size`` ranks."""
+    scores with the layers' dense ``o_proj`` weights, on one of ``tp_size`` ranks. A layer stored as fp8 codes
+    (``kv_codes``) is scored on its entries read back with its scales; its codes are moved as they are."""
 
     layout: Any
     o_proj: dict[str, torch.Tensor]
     tp_size: int = 1
+    kv_codes: dict[str, KVCodes] = field(default_factory=dict)
 
     @torch.no_grad()
     def compact(self, jobs: list[Job], attention_layers: dict) -> Outcome:
@@ -115,13 +118,16 @@ class Compactor:
             layer = attention_layers[name]
             kv_cache, impl = layer.kv_cache, layer.impl
             num_kv_heads = impl.num_kv_heads
+            weight = self.o_proj[name]
+            codes = self.kv_codes.get(name, KVCodes())
             chunk = heads_per_chunk(
                 options, evict.held, num_kv_heads, impl.num_heads // num_kv_heads, impl.head_size,
-                kv_cache.element_size(),
+                weight.element_size(),
             )  # fmt: skip
 
-            def read(first: int, end: int, kv_cache=kv_cache):
-                return self.layout.read(kv_cache, slots, slice(first, end))
+            def read(first: int, end: int, kv_cache=kv_cache, codes=codes, dtype=weight.dtype):
+                # (held, h, d) entries in the model's dtype: fp8 codes times the layer's scales
+                return codes.decode(*self.layout.read(kv_cache, slots, slice(first, end)), dtype)
 
             yield (
                 name,
@@ -131,7 +137,7 @@ class Compactor:
                     num_kv_heads,
                     evict.kept,
                     queries=job.queries.get(name),
-                    o_proj_weight=self.o_proj[name] if options.critical else None,
+                    o_proj_weight=weight if options.critical else None,
                     chunk=chunk,
                 ),
             )

@@ -144,11 +144,21 @@ def check_engine_config(vllm_config, cudagraph_requested: bool = True) -> Compre
                 "Serve the unquantized model (the transformers presses dequantize bitsandbytes and fp8 o_proj)",
             )
     if cache.cache_dtype != "auto":
-        raise _refuse(
-            f"kv_cache_dtype={cache.cache_dtype!r}: scoring reads the cached keys and values back, which the plugin "
-            "does for unquantized caches only",
-            "Use kv_cache_dtype='auto'",
-        )
+        from kvpress_critical_vllm.kv_codes import FP8_FORMATS
+
+        if cache.cache_dtype not in FP8_FORMATS:
+            raise _refuse(
+                f"kv_cache_dtype={cache.cache_dtype!r}: the plugin reads back float caches and fp8 caches with "
+                "per-tensor scales, not this format",
+                f"Use kv_cache_dtype='auto' or one of {sorted(FP8_FORMATS)}",
+            )
+        if vllm_config.device_config.device_type != "cpu":
+            raise _refuse(
+                f"kv_cache_dtype={cache.cache_dtype!r} on {vllm_config.device_config.device_type}: the plugin reads "
+                "fp8 codes back from CPU_ATTN's cache; FLASH_ATTN's fp8 layout and scales are not yet read back or "
+                "tested",
+                "Use kv_cache_dtype='auto' on GPUs",
+            )
     if getattr(cache, "kv_offloading_size", None):
         raise _refuse("KV offloading copies blocks by position", "Unset kv_offloading_size")
     if getattr(cache, "kv_sharing_fast_prefill", False):

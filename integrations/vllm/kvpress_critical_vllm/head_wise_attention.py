@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from kvpress_critical_vllm.kv_codes import KVCodes
 from kvpress_critical_vllm.layouts import block_memory, region_views
 from kvpress_critical_vllm.protocol import StepReport
 from kvpress_critical_vllm.step_plan import StepPlan
@@ -26,10 +27,11 @@ class HeadWiseAttention:
     """One worker's head-wise attention: the kernel named by the engine's ``head_wise_kernel``, the tail's element
     offsets in the backend's block (read from the first cache it sees: every layer's cache has the same layout)."""
 
-    def __init__(self, kernel: str, layer_index: dict[str, int], layout) -> None:
+    def __init__(self, kernel: str, layer_index: dict[str, int], layout, kv_codes: dict[str, KVCodes]) -> None:
         self.kernel = kernel
         self.layer_index = layer_index  # attention layer name -> its index among the compressed layers
         self.layout = layout
+        self.kv_codes = kv_codes  # layer -> its cache's format: fp8 codes are read in place with their scales
         self.tail_offsets: tuple[torch.Tensor, torch.Tensor] | None = None  # (H_kv, bs, d) element offsets
 
     def attend(
@@ -41,8 +43,10 @@ class HeadWiseAttention:
         from kvpress_critical.ops.paged_ragged_attention import paged_ragged_attention
 
         index = self.layer_index[layer.layer_name]
-        region_keys, region_values = region_views(kv_cache)
-        flat = block_memory(kv_cache)  # (blocks, block elements): the tail's element offsets index it
+        codes = self.kv_codes.get(layer.layer_name, KVCodes())
+        region_keys, region_values = (codes.codes(view) for view in region_views(kv_cache))
+        flat = codes.codes(block_memory(kv_cache))  # (blocks, block elements): the tail's element offsets index it
+        scales = {"k_scale": codes.k_scale, "v_scale": codes.v_scale} if codes.code_dtype is not None else {}
         if self.tail_offsets is None:
             self.tail_offsets = self.layout.tail_offsets(kv_cache)
         key_offsets, value_offsets = self.tail_offsets
@@ -54,7 +58,7 @@ class HeadWiseAttention:
                 out = paged_ragged_attention(
                     queries, region_keys, region_values, rows.region_table, rows.seg_start[index],
                     rows.seg_len[index], flat, flat, rows.tail_table, rows.tail_len, key_offsets, value_offsets,
-                    layer.impl.scale, backend=self.kernel, max_len=rows.max_len[index],
+                    layer.impl.scale, backend=self.kernel, max_len=rows.max_len[index], **scales,
                 )  # fmt: skip
                 output[rows.tokens] = out.to(output.dtype)  # (rows, q, H, d)
             except Exception as error:  # noqa: BLE001 - these requests end with an error, never the engine

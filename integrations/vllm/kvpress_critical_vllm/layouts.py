@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from kvpress_critical_vllm.kv_codes import KVCodes
+
 
 def block_memory(kv_cache: torch.Tensor) -> torch.Tensor:
     """
@@ -106,24 +108,41 @@ class LearnedBlockLayout:
 
     @classmethod
     @torch.no_grad()
-    def probe(cls, impl, layer, kv_cache: torch.Tensor) -> "LearnedBlockLayout":
-        """Write slot and dim numbers through ``impl.do_kv_cache_update`` into a scratch block; see where they land."""
+    def probe(
+        cls, impl, layer, kv_cache: torch.Tensor, codes: KVCodes | None = None, dtype: torch.dtype | None = None
+    ) -> "LearnedBlockLayout":
+        """Write slot and dim numbers through ``impl.do_kv_cache_update`` into a scratch block; see where they land.
+
+        Numbers go in base-8 digits written as 1 .. 8 (exact in every dtype the cache may hold, fp8 codes included,
+        with the layer's fp8 scales seen as 1.0: :class:`~kvpress_critical_vllm.vllm_compat.UnitScales`); 0 marks a
+        storage offset the backend left unwritten. ``dtype``: the entries' dtype as the model hands them to the
+        backend (the cache's own by default)."""
+        from kvpress_critical_vllm.vllm_compat import UnitScales
+
+        codes = codes or KVCodes()
         _, num_kv_heads, block_size, width = kv_cache.shape
         head_size = width // 2
-        if max(block_size, head_size) > 256:
-            raise ValueError("layout probe: block_size and head_size must be <= 256 (exact in bf16)")
+        if max(block_size, head_size) > 512:
+            raise ValueError("layout probe: block_size and head_size must be <= 512 (three base-8 digits)")
+        dtype = dtype or kv_cache.dtype
+        slots = torch.arange(block_size, device=kv_cache.device)
         seen = []
         for code in ("slot", "dim"):
-            scratch = torch.full((1, *kv_cache.shape[1:]), -1.0, dtype=kv_cache.dtype, device=kv_cache.device)
             numbers = torch.arange(block_size if code == "slot" else head_size, device=kv_cache.device)
-            shape = (block_size, num_kv_heads, head_size)
-            entries = (numbers[:, None, None] if code == "slot" else numbers[None, None, :]).expand(shape)
-            entries = entries.to(kv_cache.dtype).contiguous()
-            impl.do_kv_cache_update(layer, entries, entries, scratch, torch.arange(block_size, device=kv_cache.device))
-            seen.append(scratch[0, 0].reshape(-1).long())  # what each storage offset of one block-head holds
+            found = torch.zeros(block_size * width, dtype=torch.long, device=kv_cache.device)
+            for place in (1, 8, 64):
+                digits = (numbers // place) % 8 + 1
+                shape = (block_size, num_kv_heads, head_size)
+                entries = (digits[:, None, None] if code == "slot" else digits[None, None, :]).expand(shape)
+                entries = entries.to(dtype).contiguous()
+                scratch = torch.zeros((1, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)
+                impl.do_kv_cache_update(UnitScales(layer), entries, entries, scratch, slots)
+                stored = codes.codes(scratch[0, 0].reshape(-1)).float().round().long()  # one block-head's storage
+                if bool((stored < 1).any()):
+                    raise ValueError("layout probe: the backend left part of a block-head unwritten")
+                found += (stored - 1) * place
+            seen.append(found)
         slot_of, dim_of = seen
-        if bool((slot_of < 0).any()) or bool((dim_of < 0).any()):
-            raise ValueError("layout probe: the backend left part of a block-head unwritten")
         half = block_size * head_size
         offsets = []
         for part in (slice(0, half), slice(half, 2 * half)):  # keys first, then values (CPU_ATTN's chunk)
@@ -161,32 +180,55 @@ class LearnedBlockLayout:
         flat[(*index, value_offsets)] = values.to(flat.dtype)
 
 
+def _read_back(stored: torch.Tensor, written: torch.Tensor, codes: KVCodes, scale: float) -> bool:
+    """Whether ``stored`` (read from the cache) is ``written``: equal for a float cache; for fp8 codes, their entries
+    within one step of the format's mantissa of what was written (the backend rounds; a misplaced entry is another
+    random number, which fails the bound with near certainty over hundreds of elements)."""
+    if codes.code_dtype is None:
+        return torch.equal(stored, written)
+    decoded = codes.codes(stored).float() * scale
+    mantissa = torch.finfo(codes.code_dtype).eps  # 2^-3 (e4m3), 2^-2 (e5m2)
+    bound = written.float().abs() * mantissa + torch.finfo(codes.code_dtype).smallest_normal * scale
+    return bool(((decoded - written.float()).abs() <= bound).all())
+
+
 @torch.no_grad()
-def check_round_trip(impl, layer, kv_cache: torch.Tensor, layout) -> None:
-    """Random entries written by the backend into two scratch blocks shaped like ``kv_cache`` read back by slot, and
-    written again by the plugin one head at a time at other slots, read back the same."""
+def check_round_trip(
+    impl, layer, kv_cache: torch.Tensor, layout, codes: KVCodes | None = None, dtype: torch.dtype | None = None
+) -> None:
+    """Random entries (of ``dtype``, the model's) written by the backend into two scratch blocks shaped like
+    ``kv_cache`` read back by slot (fp8 codes: within their rounding, with the layer's scales ``codes``), and the
+    stored bytes written again by the plugin one head at a time at other slots, read back unchanged."""
     from kvpress_critical_vllm.engine_config import EngineConfigError
 
+    codes = codes or KVCodes()
+    dtype = dtype or kv_cache.dtype
     scratch = torch.zeros((2, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)
     block_size = kv_cache.shape[2]
     num_kv_heads = impl.num_kv_heads
     slots = torch.arange(2 * block_size, device=kv_cache.device).flip(0)
     generator = torch.Generator(device=kv_cache.device).manual_seed(0)
     shape = (slots.shape[0], num_kv_heads, impl.head_size)
-    keys = torch.randn(shape, generator=generator, device=kv_cache.device).to(kv_cache.dtype)
-    values = torch.randn(shape, generator=generator, device=kv_cache.device).to(kv_cache.dtype)
+    keys = (torch.randn(shape, generator=generator, device=kv_cache.device) * codes.k_scale).to(dtype)
+    values = (torch.randn(shape, generator=generator, device=kv_cache.device) * codes.v_scale).to(dtype)
     impl.do_kv_cache_update(layer, keys, values, scratch, slots)
-    got_keys, got_values = layout.read(scratch, slots)
-    readable = torch.equal(got_keys, keys) and torch.equal(got_values, values)
-    # the plugin's own writes (one head at a time) land where the backend's writes land
+    stored_keys, stored_values = layout.read(scratch, slots)
+    readable = _read_back(stored_keys, keys, codes, codes.k_scale) and _read_back(
+        stored_values, values, codes, codes.v_scale
+    )
+    # the plugin's own writes (one head at a time) land where the backend's writes land, bytes unchanged
     moved = slots.roll(1)
     for head in range(num_kv_heads):
-        layout.write(scratch, moved, slice(head, head + 1), keys[:, head : head + 1], values[:, head : head + 1])
+        heads = slice(head, head + 1)
+        layout.write(scratch, moved, heads, stored_keys[:, heads], stored_values[:, heads])
     got_keys, got_values = layout.read(scratch, moved)
-    writable = torch.equal(got_keys, keys) and torch.equal(got_values, values)
+    writable = torch.equal(got_keys.view(torch.uint8), stored_keys.view(torch.uint8)) and torch.equal(
+        got_values.view(torch.uint8), stored_values.view(torch.uint8)
+    )
     if not (readable and writable):
         raise EngineConfigError(
             f"kvpress_critical cannot read this engine's paged KV cache back ({type(impl).__name__}, "
-            f"{kv_cache.dtype}, shape {tuple(kv_cache.shape)}): entries the backend writes are not where the plugin "
-            "reads them, so the plugin refuses to compress rather than select from wrong entries."
+            f"{kv_cache.dtype}{'' if codes.code_dtype is None else ' holding ' + codes.cache_dtype + ' codes'}, "
+            f"shape {tuple(kv_cache.shape)}): entries the backend writes are not where the plugin reads them, so the "
+            "plugin refuses to compress rather than select from wrong entries."
         )

@@ -131,6 +131,9 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.attention.selector", "_cached_get_attn_backend", "function"),
     ("vllm.model_executor.layers.attention", "Attention", "class"),
     ("vllm.model_executor.layers.attention", "Attention.sliding_window", "attribute"),
+    # an fp8 cache's per-tensor scales (kv_codes.py): set on each attention layer by this function (1.0) and by the
+    # checkpoint's kv-cache quantization (vllm.model_executor.layers.quantization.kv_cache)
+    ("vllm.model_executor.layers.attention.attention", "set_default_quant_scales", "function"),
     ("vllm.distributed", "get_tp_group", "function"),
     ("vllm.distributed.parallel_state", "GroupCoordinator.cpu_group", "attribute"),
     # the entry points (plugin.py, engine_config.py)
@@ -343,3 +346,23 @@ def tp_cpu_group():
     from vllm.distributed import get_tp_group
 
     return get_tp_group().cpu_group
+
+
+def kv_scales(layer) -> tuple[float, float]:
+    """An attention layer's per-tensor fp8 cache scales ``(k_scale, v_scale)`` (``_k_scale_float``, ``_v_scale_float``:
+    what ``CPU_ATTN`` quantizes and dequantizes with)."""
+    return float(layer._k_scale_float), float(layer._v_scale_float)
+
+
+class UnitScales:
+    """An attention layer seen with fp8 scales of 1.0 (everything else its own): the layout probe writes small integers
+    through the backend, which an fp8 cache then stores exactly."""
+
+    _k_scale_float = 1.0
+    _v_scale_float = 1.0
+
+    def __init__(self, layer):
+        self._layer = layer
+
+    def __getattr__(self, name: str):
+        return getattr(self._layer, name)

@@ -18,6 +18,7 @@ import torch
 
 from kvpress_critical_vllm.attention import CompressingBuilderMixin, CompressingImplMixin, register_backends
 from kvpress_critical_vllm.engine_config import EngineConfigError
+from kvpress_critical_vllm.kv_codes import KVCodes
 from kvpress_critical_vllm.kv_spec import compressed_group
 from kvpress_critical_vllm.layouts import region_views
 from kvpress_critical_vllm.protocol import REPORT_ATTRIBUTE, StepReport
@@ -27,6 +28,7 @@ from kvpress_critical_vllm.vllm_compat import (
     forward_context,
     generators_of,
     kv_cache_groups,
+    kv_scales,
 )
 from kvpress_critical_vllm.worker_state import WorkerState
 
@@ -231,8 +233,12 @@ class CompressingWorkerMixin:
                 raise EngineConfigError(
                     f"kvpress_critical cannot read layer {name}'s KV cache as head-wise regions: {error}"
                 ) from error
-        first = context[next(iter(state.o_proj))]
-        state.layout = first.impl.paged_layout(first, first.kv_cache)
+        cache_dtype = self.vllm_config.cache_config.cache_dtype
+        state.kv_codes = {name: KVCodes(cache_dtype, *kv_scales(context[name])) for name in state.o_proj}
+        first_name = next(iter(state.o_proj))
+        first = context[first_name]
+        dtype = state.o_proj[first_name].dtype
+        state.layout = first.impl.paged_layout(first, first.kv_cache, state.kv_codes[first_name], dtype)
         state.block_size = first.kv_cache.shape[2] if first.kv_cache.dim() == 4 else None
         builders = 0
         for index, attention in enumerate(attention_groups(self.model_runner)):
@@ -295,10 +301,12 @@ class CompressingWorkerMixin:
         kv_heads = model.get_num_kv_heads(parallel)
         group = max(1, model.get_num_attention_heads(parallel) // kv_heads)
         block = state.block_size or 16
+        codes = next(iter(state.kv_codes.values()), None)
         for q_len in head_wise_probe_lengths(group):
             probe = random_paged_layout(
                 2, kv_heads, group, q_len, head_size, block, [[3 + h for h in range(kv_heads)], [block + 1] * kv_heads],
                 [q_len + 2, q_len + block], dtype=weight.dtype, device=weight.device,
+                cache_dtype=codes.code_dtype if codes is not None else None,
             )  # fmt: skip
             try:
                 out = paged_ragged_attention(**probe, backend=attention)
@@ -338,6 +346,10 @@ class CompressingWorkerMixin:
         """How many compactions this worker has done (one per request, or one per prompt chunk with
         compression_chunk_size)."""
         return self.kvpress_state.compacted_requests
+
+    def kvpress_critical_kv_codes(self) -> dict[str, tuple[str, float, float]]:
+        """Each compressed layer's cache format: ``(kv_cache_dtype, k_scale, v_scale)``."""
+        return {name: (c.cache_dtype, c.k_scale, c.v_scale) for name, c in self.kvpress_state.kv_codes.items()}
 
     def kvpress_critical_tracked(self) -> int:
         """How many requests this worker keeps state for (0 when idle)."""

@@ -32,6 +32,7 @@ import torch
 
 from kvpress_critical_vllm.compaction import Compactor, Outcome
 from kvpress_critical_vllm.head_wise_attention import HeadWiseAttention
+from kvpress_critical_vllm.kv_codes import KVCodes
 from kvpress_critical_vllm.model_weights import output_projections
 from kvpress_critical_vllm.protocol import (
     DIRECTIVES_ATTRIBUTE,
@@ -59,6 +60,7 @@ class WorkerState:
         self.engine_options = engine_options(vllm_config.additional_config)
         self.o_proj: dict[str, torch.Tensor] = {}  # attention layer name -> dense (D, H * d) o_proj weight
         self.layout = None  # how to read the paged cache by slot (set once the cache exists)
+        self.kv_codes: dict[str, KVCodes] = {}  # compressed layer -> its cache's format and scales (with the layout)
         self.block_size: int | None = None  # the paged cache's block size (set with the layout)
         self.tp_size = 1
         self.shifts: dict[str, int] = {}  # compacted request -> evicted positions its attention skips
@@ -127,7 +129,9 @@ class WorkerState:
         :mod:`kvpress_critical_vllm.head_wise_attention`)."""
         if self._head_wise_attention is None:
             layers = {name: index for index, name in enumerate(self.o_proj)}
-            self._head_wise_attention = HeadWiseAttention(self.engine_options.head_wise_kernel, layers, self.layout)
+            self._head_wise_attention = HeadWiseAttention(
+                self.engine_options.head_wise_kernel, layers, self.layout, self.kv_codes
+            )
         self._head_wise_attention.attend(layer, query, kv_cache, output, plan, self._report)
 
     def capture(self, layer_name: str, query: torch.Tensor, plan: StepPlan) -> None:
@@ -155,7 +159,8 @@ class WorkerState:
         if plan is None or not plan.jobs:
             return
         try:
-            outcome = Compactor(self.layout, self.o_proj, self.tp_size).compact(plan.jobs, attention_layers)
+            compactor = Compactor(self.layout, self.o_proj, self.tp_size, self.kv_codes)
+            outcome = compactor.compact(plan.jobs, attention_layers)
         finally:
             for job in plan.jobs:
                 self.queries.pop(job.directive.request_id, None)

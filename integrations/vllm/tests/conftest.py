@@ -26,7 +26,7 @@ from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from workload import BLOCK_SIZE, ENGINE_OPTIONS, HYBRID_ROWS, ROWS, Row, sampling_params  # noqa: E402
+from workload import BLOCK_SIZE, ENGINE_OPTIONS, FP8_ROWS, HYBRID_ROWS, ROWS, Row, sampling_params  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.append(str(REPO / "tests"))  # the main suite's background jobs (after this folder: its conftest is ours)
@@ -101,6 +101,13 @@ ENGINES = {
         model=lambda: hybrid_smollm2()[0],
         kv_cache_memory_bytes=pool_of(160),
         enable_prefix_caching=True,
+    ),
+    # an fp8 KV cache (e4m3 codes, one byte an element): the cache's format is the engine's, so no other engine can
+    # serve these requests; the same bytes as the default engine's pool, four times its blocks
+    "fp8": dict(
+        plugin={**ENGINE_OPTIONS, "record_selections": True},
+        kv_cache_dtype="fp8",
+        kv_cache_memory_bytes=pool_of(320),
     ),
     # vLLM's prefix cache on: every uncompressed request may take hits, which the other engines' exactness tests
     # (answers computed from scratch) assume away; the default engine, with it off, is this one's reference
@@ -206,6 +213,7 @@ small_pool_engine = _checked_engine("small_pool")
 bounded_engine = _checked_engine("bounded")
 prefix_cache_engine = _checked_engine("prefix_cache")
 hybrid_engine = _checked_engine("hybrid")
+fp8_engine = _checked_engine("fp8")
 
 
 def step_limit(scheduler) -> int:
@@ -380,6 +388,12 @@ def mixed_batch(prompt_ids, tmp_path_factory) -> dict[str, Result]:
         run = PressSelections([reference_request(r) for r in compressed], tmp_path_factory.mktemp("press-reference"))
         _REFERENCE_SELECTIONS["run"] = ([r.row.name for r in compressed], run)
     return batch
+
+
+@pytest.fixture(scope="session")
+def fp8_batch(prompt_ids) -> dict[str, Result]:
+    """The fp8 engine's batch (``workload.FP8_ROWS``: every schedule over an fp8 KV cache), then idle."""
+    return {result.row.name: result for result in run_batch(shared_engine("fp8"), FP8_ROWS, prompt_ids)}
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,53 @@ at position ``N`` as it does in the engine.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
+
+
+def fp8_codes(x: torch.Tensor, code_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """The fp8 codes ``CPU_ATTN`` stores for ``x`` (its ``cpu_attn_reshape_and_cache``): ``x / scale`` in float32,
+    saturated at the format's largest finite value and rounded toward zero (not to nearest)."""
+    finfo = torch.finfo(code_dtype)
+    y = (x.float() / scale).clamp(-finfo.max, finfo.max)
+    nearest = y.to(code_dtype)
+    bits = nearest.view(torch.uint8)
+    away = nearest.float().abs() > y.abs()  # rounded away from zero: the next code toward zero
+    return torch.where(away, bits - 1, bits).view(code_dtype)
+
+
+def fp8_round(x: torch.Tensor, code_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as an fp8 cache holds it: its code times ``scale``, in ``x``'s dtype."""
+    return (fp8_codes(x, code_dtype, scale).float() * scale).to(x.dtype)
+
+
+_FORCED: dict = {}  # "tokens": the tokens the greedy functions follow (teacher_forced); "margins": what each cost
+
+
+def _next_token(logits: torch.Tensor) -> int:
+    """The greedy token of ``logits`` (``(vocab,)``), or the one :func:`teacher_forced` dictates, recording how far its
+    logit is below the best one."""
+    best = int(logits.argmax())
+    if "tokens" not in _FORCED:
+        return best
+    margins = _FORCED["margins"]
+    token = _FORCED["tokens"][len(margins)]
+    margins.append(float(logits[best] - logits[token]))
+    return token
+
+
+@contextmanager
+def teacher_forced(tokens: list[int]):
+    """Within it, the greedy functions below follow ``tokens`` (an engine's answer) instead of their own argmax and
+    yield, per step, the reference's best logit minus the logit of the token followed (0.0 where the engine chose the
+    reference's greedy token): every step of an answer is checked, not only those before a first near-tie flips."""
+    _FORCED.update(tokens=list(tokens), margins=[])
+    try:
+        yield _FORCED["margins"]
+    finally:
+        _FORCED.clear()
 
 
 def load_reference_model(path, dtype=torch.float32):
@@ -71,7 +116,7 @@ def layer_index(layer_name: str) -> int:
 def greedy_decode(model, cache, logits: torch.Tensor, n_prompt: int, max_new_tokens: int) -> list[int]:
     """Greedy tokens from the prompt's last ``logits`` on, each new token at position ``n_prompt + step`` and appended
     after what ``cache`` holds (which may be fewer entries than positions)."""
-    tokens = [int(logits[0, -1].argmax())]
+    tokens = [_next_token(logits[0, -1])]
     for step in range(max_new_tokens - 1):
         cached = cache.get_seq_length()
         out = model(
@@ -82,7 +127,7 @@ def greedy_decode(model, cache, logits: torch.Tensor, n_prompt: int, max_new_tok
             attention_mask=attention_masks(model, cache, n_prompt + step, 1),
             use_cache=True,
         )
-        tokens.append(int(out.logits[0, -1].argmax()))
+        tokens.append(_next_token(out.logits[0, -1]))
     return tokens
 
 
@@ -154,20 +199,24 @@ def greedy_with_compactions(model, prompt_ids: list[int], stages: list[dict], ma
         compact(seen)
     if done < n_prompt:
         out = run(prompt_ids[done:], done)
-    tokens = [int(out.logits[0, -1].argmax())]
+    tokens = [_next_token(out.logits[0, -1])]
     for position in range(n_prompt, n_prompt + max_new_tokens - 1):
         out = run(tokens[-1:], position)
-        tokens.append(int(out.logits[0, -1].argmax()))
+        tokens.append(_next_token(out.logits[0, -1]))
         if position + 1 in by_seen:
             compact(position + 1)
     return tokens
 
 
 _DROPPED: dict[int, torch.Tensor] = {}  # layer index -> (H_kv, N) bool: the prompt entries a KV head dropped
+_FP8: dict = {}  # "codes": the fp8 dtype the cache rounds keys and values to (fp8_cache), absent for a float cache
 
 
 def _masked_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Eager attention in which each KV head skips the prompt entries it dropped (``_DROPPED``), kvpress's masking."""
+    """Eager attention in which each KV head skips the prompt entries it dropped (``_DROPPED``), kvpress's masking;
+    over an fp8 cache (:func:`fp8_cache`), every key and value as the cache holds it."""
+    if "codes" in _FP8:  # rounding is idempotent: the whole cache, rounded again at each call, is what vLLM holds
+        key, value = fp8_round(key, _FP8["codes"]), fp8_round(value, _FP8["codes"])
     group = query.shape[1] // key.shape[1]
     keys = key.repeat_interleave(group, dim=1)
     values = value.repeat_interleave(group, dim=1)
@@ -183,6 +232,16 @@ def _masked_eager(module, query, key, value, attention_mask, scaling, dropout=0.
     return torch.matmul(weights, values).transpose(1, 2).contiguous(), weights
 
 
+def _register_masked() -> None:
+    """``_masked_eager`` as the attention ``kvpress_critical_masked``, with eager attention's masks (transformers
+    builds no mask at all for an attention it does not know: a prefill would not be causal)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register("kvpress_critical_masked", _masked_eager)
+    AttentionMaskInterface.register("kvpress_critical_masked", eager_mask)
+
+
 @torch.no_grad()
 def greedy_with_head_masks(model, prompt_ids: list[int], kept: dict[str, list[list[int]]], max_new_tokens: int):
     """
@@ -190,13 +249,11 @@ def greedy_with_head_masks(model, prompt_ids: list[int], kept: dict[str, list[li
     head attending only to the prompt positions ``kept[layer_name][head]`` (any number per head) and every new token:
     kvpress's masking of head-wise presses, written out.
     """
-    from transformers import AttentionInterface
-
-    AttentionInterface.register("kvpress_critical_masked", _masked_eager)
+    _register_masked()
     n_prompt = len(prompt_ids)
     cache = new_cache(model)
     out = model(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True)
-    tokens = [int(out.logits[0, -1].argmax())]
+    tokens = [_next_token(out.logits[0, -1])]
     _DROPPED.clear()
     for name, heads in kept.items():
         dropped = torch.ones(len(heads), n_prompt, dtype=torch.bool)
@@ -211,8 +268,23 @@ def greedy_with_head_masks(model, prompt_ids: list[int], kept: dict[str, list[li
             out = model(
                 input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, attention_mask=masks, use_cache=True
             )
-            tokens.append(int(out.logits[0, -1].argmax()))
+            tokens.append(_next_token(out.logits[0, -1]))
     finally:
         model.set_attn_implementation(previous)
         _DROPPED.clear()
     return tokens
+
+
+@contextmanager
+def fp8_cache(model, code_dtype: torch.dtype):
+    """Within it, ``model`` attends over keys and values rounded as vLLM's fp8 cache stores them (scales of 1.0,
+    :func:`fp8_codes`): every entry, the prompt's and each new token's, as the engine's attention reads them."""
+    _register_masked()
+    previous = model.config._attn_implementation
+    _FP8["codes"] = code_dtype
+    model.set_attn_implementation("kvpress_critical_masked")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
+        _FP8.clear()

@@ -29,6 +29,13 @@ def test_the_plugin_sets_its_scheduler_and_worker():
     assert config.scheduler_config.scheduler_cls == "kvpress_critical_vllm.scheduler.CriticalKVScheduler"
 
 
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_an_fp8_kv_cache_is_accepted_on_cpus(cache_dtype):
+    config = build(kv_cache_dtype=cache_dtype)
+    assert config.cache_config.cache_dtype == cache_dtype
+    assert config.parallel_config.worker_cls == "kvpress_critical_vllm.worker.CriticalKVCPUWorker"
+
+
 def test_an_engine_without_the_plugin_is_untouched():
     config = build(plugin={})
     assert config.parallel_config.worker_cls == "vllm.v1.worker.cpu_worker.CPUWorker"
@@ -38,7 +45,6 @@ def test_an_engine_without_the_plugin_is_untouched():
 @pytest.mark.parametrize(
     "overrides,fix",
     [
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='auto'"),
         (
             {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
             "Drop speculative_config",
@@ -48,7 +54,7 @@ def test_an_engine_without_the_plugin_is_untouched():
         ({"scheduler_cls": "vllm.v1.core.sched.scheduler.Scheduler"}, "Drop scheduler_cls"),
         ({"worker_cls": "my_package.MyWorker"}, "Leave worker_cls unset"),
     ],
-    ids=["fp8-cache", "speculative", "kv-connector", "lora", "scheduler-cls", "worker-cls"],
+    ids=["speculative", "kv-connector", "lora", "scheduler-cls", "worker-cls"],
 )
 def test_unsupported_engine_options_refuse(overrides, fix):
     with pytest.raises(EngineConfigError, match="kvpress_critical cannot compress") as error:
@@ -67,6 +73,11 @@ def test_unsupported_engine_options_refuse(overrides, fix):
         (lambda c: setattr(c.parallel_config, "enable_dbo", True), "Drop enable_dbo and ubatch_size"),
         (lambda c: setattr(c.parallel_config, "ubatch_size", 2), "Drop enable_dbo and ubatch_size"),
         (lambda c: setattr(c.parallel_config, "tensor_parallel_size", 4), "tensor_parallel_size <= 3"),
+        (lambda c: setattr(c.cache_config, "cache_dtype", "fp8_inc"), "one of ['fp8', 'fp8_e4m3', 'fp8_e5m2']"),
+        (
+            lambda c: (setattr(c.cache_config, "cache_dtype", "fp8"), setattr(c.device_config, "device_type", "cuda")),
+            "kv_cache_dtype='auto' on GPUs",
+        ),
     ],
     ids=[
         "pipeline-parallel",
@@ -77,6 +88,8 @@ def test_unsupported_engine_options_refuse(overrides, fix):
         "dbo",
         "ubatch",
         "tp-over-kv-heads",
+        "other-quantized-cache",
+        "fp8-cache-on-gpu",
     ],  # fmt: skip
 )
 def test_settings_the_cpu_platform_rewrites_refuse(change, fix):

@@ -10,7 +10,7 @@ can be written from it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 BLOCK_SIZE = 32
 NEW_TOKENS = 32
@@ -92,6 +92,12 @@ HYBRID_ROWS = (
         True,
     ),
     Row("hybrid/uncompressed-325", "uncompressed", 159, 325, {"compression_ratio": 0.0}),
+)
+
+
+# the fp8 engine's batch (conftest.fp8_batch): every schedule, uniform and head-wise, over an fp8 KV cache
+FP8_ROWS = tuple(replace(row, name=row.name.replace("hybrid/", "fp8/")) for row in HYBRID_ROWS) + (
+    Row("fp8/adakv_snapkv-450", "head_wise", 211, 450, {"press": "adakv_snapkv", "compression_ratio": 0.75}),
 )
 
 

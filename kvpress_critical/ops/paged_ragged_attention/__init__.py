@@ -10,6 +10,10 @@ to themselves (causal), with GQA inside (query heads ``h * G .. (h + 1) * G - 1`
 float32. It is :func:`kvpress_critical.ops.ragged_attention` with block tables: the math of the compact cache over
 the blocks a paged engine (vLLM, :mod:`kvpress_critical_vllm`) already holds.
 
+The cache may hold fp8 codes (``region_*`` and ``tail_*`` in one of :data:`FP8_DTYPES`, vLLM's fp8 KV caches): an
+entry is then its code times the per-tensor ``k_scale`` (keys) or ``v_scale`` (values), read in place; the ``torch``
+backend reads them, the ``cpp`` and ``triton`` kernels refuse them (``auto`` falls back with one warning).
+
 Backends (:data:`PAGED_RAGGED_ATTENTION`; ``auto``: CPU ``cpp`` > ``torch``, CUDA ``triton`` > ``torch``;
 ``$KVPRESS_CRITICAL_PAGED_RAGGED_ATTENTION_BACKEND`` replaces ``auto``): ``torch`` (portable: one segment gathered at
 a time), ``cpp`` (the C++ extension's kernel of ``ragged_attention``, reading the region in place run by run and the
@@ -30,6 +34,15 @@ from kvpress_critical.ops.triton_utils import triton_availability, triton_device
 AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("triton", "torch"), "cpu": ("cpp", "torch")}
 
 PAGED_RAGGED_ATTENTION = OpRegistry("paged_ragged_attention", AUTO_ORDER)
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # codes the op reads with per-tensor scales
+
+
+def _float_entries_only(query, region_keys) -> str | None:
+    """The kernels read float entries: fp8 codes go to the ``torch`` backend."""
+    if region_keys.dtype in FP8_DTYPES:
+        return f"it reads float entries, not {region_keys.dtype} codes (the torch backend reads them)"
+    return None
 
 
 def _check_inputs(
@@ -60,6 +73,9 @@ def _check_inputs(
             raise ValueError(f"{name} must have {size} entries, got {tuple(vector.shape)}")
     if tail_keys.dim() != 2 or tail_values.dim() != 2:
         raise ValueError("tail keys / values must be (blocks, elements) views of the cache, one row per block")
+    dtypes = {t.dtype for t in (region_keys, region_values, tail_keys, tail_values)}
+    if len(dtypes) != 1:
+        raise ValueError(f"the region and tail views must share one dtype, got {sorted(map(str, dtypes))}")
     if tail_len.device.type == "cpu" and bool((tail_len < q_len).any()):
         raise ValueError(f"every row's tail must hold its {q_len} queries' own entries (tail_len >= q_len)")
     devices = {t.device for t in (query, region_keys, region_values, tail_keys, tail_values)}
@@ -83,6 +99,8 @@ def paged_ragged_attention(
     scale: float,
     backend: str = "auto",
     max_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """
     Attention of ``q`` new tokens over head-wise entries kept in a paged cache (module docstring).
@@ -117,6 +135,8 @@ def paged_ragged_attention(
         does, once per step): it sizes the ``triton`` backend's grid without reading ``seg_len`` and ``tail_len``
         back from the device, a host synchronisation per call. Checked against them where that costs no
         synchronisation (CPU tensors); ``None``: read from them.
+    k_scale, v_scale : float
+        Per-tensor scales of an fp8 cache (a key is its code times ``k_scale``); 1.0 for a float cache.
 
     Returns
     -------
@@ -126,13 +146,20 @@ def paged_ragged_attention(
     args = (query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
             tail_len, key_offsets, value_offsets)  # fmt: skip
     _check_inputs(*args)
+    if region_keys.dtype not in FP8_DTYPES and (k_scale, v_scale) != (1.0, 1.0):
+        raise ValueError(
+            f"k_scale / v_scale ({k_scale}, {v_scale}) scale fp8 codes; this cache holds {region_keys.dtype} entries "
+            "as they are: pass 1.0"
+        )
     if max_len is not None and seg_len.device.type == "cpu" and tail_len.device.type == "cpu":
         longest = (
             int((seg_len.view(-1, key_offsets.shape[0]).max(dim=1).values + tail_len).max()) if seg_len.numel() else 0
         )
         if max_len < longest:
             raise ValueError(f"max_len={max_len} is shorter than the longest segment and tail ({longest})")
-    name = PAGED_RAGGED_ATTENTION.resolve(backend, query.device, query)
+    name = PAGED_RAGGED_ATTENTION.resolve(backend, query.device, query, region_keys)
+    if region_keys.dtype in FP8_DTYPES:
+        return PAGED_RAGGED_ATTENTION[name].fn(*args, float(scale), max_len, k_scale=k_scale, v_scale=v_scale)
     return PAGED_RAGGED_ATTENTION[name].fn(*args, float(scale), max_len)
 
 
@@ -151,11 +178,16 @@ def paged_ragged_attention_triton(*args):
 
 
 PAGED_RAGGED_ATTENTION.register(Backend("torch", paged_ragged_attention_torch, ("cpu", "cuda"), lambda: None))
-PAGED_RAGGED_ATTENTION.register(Backend("cpp", paged_ragged_attention_cpp, ("cpu",), cpp_availability))
-PAGED_RAGGED_ATTENTION.register(Backend("triton", paged_ragged_attention_triton, triton_devices, triton_availability))
+PAGED_RAGGED_ATTENTION.register(
+    Backend("cpp", paged_ragged_attention_cpp, ("cpu",), cpp_availability, _float_entries_only)
+)
+PAGED_RAGGED_ATTENTION.register(
+    Backend("triton", paged_ragged_attention_triton, triton_devices, triton_availability, _float_entries_only)
+)
 
 __all__ = [
     "AUTO_ORDER",
+    "FP8_DTYPES",
     "PAGED_RAGGED_ATTENTION",
     "packed_segments",
     "paged_ragged_attention",

@@ -43,6 +43,7 @@ def random_paged_layout(
     device="cpu",
     seed: int = 0,
     spare_blocks: int = 3,
+    cache_dtype: torch.dtype | None = None,
 ) -> dict:
     """
     Random inputs of :func:`~kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention`: ``seg_lens``
@@ -51,6 +52,9 @@ def random_paged_layout(
     The cache is one tensor of ``[blocks, H_kv, block_size, 2 * d]`` blocks (vLLM's CPU layout) whose tail keys are
     stored dimension-major inside a block (as the CPU backend's vector kernels do) and values slot-major: the offsets
     are not the trivial ones. Blocks are handed out in a shuffled order, with ``spare_blocks`` never used.
+    ``cache_dtype`` (an fp8 dtype, :data:`~kvpress_critical.ops.paged_ragged_attention.FP8_DTYPES`) stores the cache
+    as fp8 codes of the entries over per-tensor scales, returned as ``k_scale`` and ``v_scale``; the queries stay in
+    ``dtype``.
     """
     gen = torch.Generator().manual_seed(seed)
     seg_lens = torch.as_tensor(seg_lens, dtype=torch.int64).reshape(bsz, num_kv_heads)
@@ -62,7 +66,12 @@ def random_paged_layout(
     tail_blocks = [max(1, -(-int(tail_lens[b]) // block_size)) for b in range(bsz)]
     num_blocks = sum(region_blocks) + sum(tail_blocks) + spare_blocks
     order = torch.randperm(num_blocks, generator=gen)
-    cache = torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_dim, generator=gen).to(dtype)
+    cache = torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_dim, generator=gen)
+    scales = {}
+    if cache_dtype is not None and cache_dtype != dtype:
+        scales = {"k_scale": 0.75, "v_scale": 1.5}  # a key is its code times k_scale, a value its code times v_scale
+        cache = cache * 3  # codes of a few units: fp8's range, with subnormals among them
+    cache = cache.to(cache_dtype or dtype)
     region_table = torch.full((bsz, max(region_blocks)), -1, dtype=torch.int32)
     tail_table = torch.full((bsz, max(tail_blocks)), -1, dtype=torch.int32)
     used = 0
@@ -94,4 +103,5 @@ def random_paged_layout(
         "key_offsets": key_offsets.to(device),
         "value_offsets": value_offsets.to(device),
         "scale": head_dim**-0.5,
+        **scales,
     }

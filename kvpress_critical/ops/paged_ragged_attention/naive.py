@@ -29,10 +29,11 @@ def gather_tail(tail_keys, tail_values, tail_table, length: int, key_offsets, va
 
 def paged_ragged_attention_ref(
     query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
-    tail_len, key_offsets, value_offsets, scale,
+    tail_len, key_offsets, value_offsets, scale, max_len=None, k_scale=1.0, v_scale=1.0,
 ) -> torch.Tensor:  # fmt: skip
     """
-    Reference of :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention` (same arguments).
+    Reference of :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention` (same arguments; an
+    entry is its stored number times ``k_scale`` or ``v_scale``, fp8 codes included).
 
     Returns ``(B, q, H, d)`` in the query's dtype; a query that sees no entry gets zeros.
     """
@@ -46,8 +47,8 @@ def paged_ragged_attention_ref(
             s = b * num_kv_heads + h
             rk, rv = gather_segment(region_keys, region_values, region_table, seg_start, seg_len, b, s)
             tk, tv = gather_tail(tail_keys, tail_values, tail_table, length, key_offsets, value_offsets, b, h)
-            k = torch.cat([rk, tk]).double().cpu()
-            v = torch.cat([rv, tv]).double().cpu()
+            k = torch.cat([rk, tk]).cpu().double() * k_scale
+            v = torch.cat([rv, tv]).cpu().double() * v_scale
             q = query[b, h * group : (h + 1) * group].double().cpu()  # (G, q, d)
             scores = torch.einsum("gid,nd->gin", q, k) * scale
             position = torch.arange(k.shape[0]) - rk.shape[0]  # tail position of each entry (negative: region)

@@ -14,10 +14,11 @@ from kvpress_critical.ops.ragged_attention.torch_backend import _part, merge_par
 
 def paged_ragged_attention_torch(
     query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
-    tail_len, key_offsets, value_offsets, scale, max_len=None,
+    tail_len, key_offsets, value_offsets, scale, max_len=None, k_scale=1.0, v_scale=1.0,
 ) -> torch.Tensor:  # fmt: skip
     """See :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention` (``max_len``: unused, the grid
-    of the ``triton`` backend only)."""
+    of the ``triton`` backend only). fp8 codes are dequantized one segment at a time, in float32."""
+    quantized = region_keys.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     bsz, heads, q_len, head_dim = query.shape
     num_kv_heads = key_offsets.shape[0]
     group = heads // num_kv_heads
@@ -36,6 +37,9 @@ def paged_ragged_attention_torch(
             q = query[b, h * group : (h + 1) * group].reshape(group * q_len, head_dim).float() * scale
             rk, rv = gather_segment(region_keys, region_values, region_table, seg_start, seg_len, b, s)
             tk, tv = gather_tail(tail_keys, tail_values, tail_table, length, key_offsets, value_offsets, b, h)
+            if quantized:  # (n, d) codes -> float32 entries
+                rk, tk = rk.float() * k_scale, tk.float() * k_scale
+                rv, tv = rv.float() * v_scale, tv.float() * v_scale
             parts = [_part(q, rk, rv, None)] if rk.shape[0] else []
             if length:
                 parts.append(_part(q, tk, tv, visible))
