@@ -190,10 +190,14 @@ def ratio_to(measured: dict, name: str, base: str, metric: str) -> float:
     return statistics.median(ours[metric] / theirs[metric] for ours, theirs in zip(measured[name], measured[base]))
 
 
-def summarise(measured: dict, configs: list, goals: bool = True) -> tuple[list[dict], list[list]]:
-    """Per configuration: the median of each metric over the repeats so far, its ratios to stock vLLM, and (head-wise
-    presses) to the uniform press at the same ratio."""
+def summarise(
+    measured: dict, configs: list, goals: bool = True, twins: dict | None = None, cache_gain: dict | None = None
+) -> tuple[list[dict], list[list]]:
+    """Per configuration: the median of each metric over the repeats so far, its ratios to stock vLLM, (head-wise
+    presses) to the uniform press at the same ratio, and (a quantized KV cache: ``twins``) to the same configuration
+    over the float cache; ``cache_gain`` multiplies a row's goal (tokens per byte against the float cache)."""
     rows, table = [], []
+    twins, cache_gain = twins or {}, cache_gain or {}
     for name, _, press in configs:
         ratio = None if press is None else press[1]
         median = {m: statistics.median(r[m] for r in measured[name]) for m in METRICS}
@@ -218,6 +222,7 @@ def summarise(measured: dict, configs: list, goals: bool = True) -> tuple[list[d
         # head-wise rows against the uniform press, chunked or decoding rows against their press compressed once
         # after the prompt
         uniform = f"{UNIFORM} {ratio}" if press is None or not (press[2] or press[3]) else f"{press[0]} {ratio}"
+        uniform += name[len(twins[name]) :] if name in twins else ""  # over the same KV cache dtype
         versus = ""
         if ratio and name != uniform and uniform in measured:
             row.update(
@@ -233,8 +238,20 @@ def summarise(measured: dict, configs: list, goals: bool = True) -> tuple[list[d
                             "ttft_vs_uniform", "lone_ttft_vs_uniform")
                 if row[key] == row[key]  # not NaN (no lone prompt)
             )  # fmt: skip
+        twin = twins.get(name)
+        if twin in measured:
+            row.update(
+                kv_cache_dtype=name.rsplit(" ", 1)[-1],
+                peak_running_vs_float_cache=ratio_to(measured, name, twin, "peak_running"),
+                output_throughput_vs_float_cache=ratio_to(measured, name, twin, "output_tokens_per_s"),
+            )
+            versus = ", ".join(
+                filter(None, [versus, f"{fmt(row['peak_running_vs_float_cache'])}x peak, "
+                                      f"{fmt(row['output_throughput_vs_float_cache'])}x tok/s vs {twin}"])
+            )  # fmt: skip
         rows.append(row)
-        goal = "" if not (ratio and goals) else f" (goal {0.9 / (1 - ratio):.2f})"
+        gain = cache_gain.get(name, 1)
+        goal = "" if not (ratio and goals) else f" (goal {0.9 * gain / (1 - ratio):.2f})"
         table.append(
             [
                 name,
@@ -281,6 +298,11 @@ def main(argv=None) -> int:
     parser.add_argument("--chats", type=int, default=4, help="conversations (--workload chats)")
     parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's prefix cache on in both engines")
+    parser.add_argument(
+        "--kv-cache-dtypes", default="auto",
+        help="comma-separated kv_cache_dtype values (auto, fp8, fp8_e4m3, fp8_e5m2): a stock and a plugin engine each, "
+        "in the same pool bytes (the float cache's)",
+    )  # fmt: skip
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--min-prompt", type=int, default=1024)
     parser.add_argument("--max-prompt", type=int, default=2048)
@@ -321,8 +343,12 @@ def main(argv=None) -> int:
         max_model_len=max(longest, args.lone_prompt + 1), kv_cache_memory_bytes=pool_bytes,
         enable_prefix_caching=args.prefix_caching,
     )  # fmt: skip
-    stock = LLM(**common)  # first: its layers take vLLM's own attention backend
-    plugin = LLM(**common, additional_config={"kvpress_critical": {"compression_ratio": 0.0}})
+    kv_dtypes = args.kv_cache_dtypes.split(",")
+    engines = {}  # kv_cache_dtype -> (stock, plugin), each in the same pool bytes
+    for kv in kv_dtypes:
+        stock = LLM(**common, kv_cache_dtype=kv)  # first: its layers take vLLM's own attention backend
+        plugin = LLM(**common, kv_cache_dtype=kv, additional_config={"kvpress_critical": {"compression_ratio": 0.0}})
+        engines[kv] = (stock, plugin)
     ids = text_ids(AutoTokenizer.from_pretrained(args.model))
     conversations = workload(ids, args)
     lone = (ids * (1 + args.lone_prompt // len(ids)))[: args.lone_prompt] if args.lone_prompt else None
@@ -335,21 +361,35 @@ def main(argv=None) -> int:
     def label(press: str, r: float, c: int, i: int, t: int) -> str:
         return f"{press} {r}" + (f" chunk {c}" if c else "") + (f" decode {i}/{t}" if i else "")
 
-    configs = [("vLLM", stock, None)] + [
-        (label(press, r, c, i, t), plugin, (press, r, c, i, t, w))
-        for r in ratios
-        for press in presses
-        for c in chunks
-        for i, t in decoding
-        if not ((c or i) and "adakv" in press)  # head-wise presses refuse compression_chunk_size and decoding
-        and (r or i)  # ratio 0 without decoding compresses nothing
-    ]
+    def suffix(kv: str) -> str:
+        return "" if kv == "auto" else f" {kv}"
+
+    configs, twins, cache_gain = [], {}, {}
+    for kv, (stock, plugin) in engines.items():
+        rows_of_kv = [("vLLM", stock, None)] + [
+            (label(press, r, c, i, t), plugin, (press, r, c, i, t, w))
+            for r in ratios
+            for press in presses
+            for c in chunks
+            for i, t in decoding
+            if not ((c or i) and "adakv" in press)  # head-wise presses refuse compression_chunk_size and decoding
+            and (r or i)  # ratio 0 without decoding compresses nothing
+        ]
+        for name, llm, press in rows_of_kv:
+            configs.append((name + suffix(kv), llm, press))
+            if kv != "auto":  # one byte an element: the float cache's element size more tokens per byte
+                twins[name + suffix(kv)], cache_gain[name + suffix(kv)] = name, element
+    # interleaved: each configuration over the float cache, then over the quantized ones
+    bases = list(dict.fromkeys(twins.get(name, name) for name, _, _ in configs))
+    configs.sort(key=lambda config: bases.index(twins.get(config[0], config[0])))
     measured = {name: [] for name, _, _ in configs}
     workload_name = "" if args.workload == "random" else f"_{args.workload}"
     # a hybrid model (sliding-window layers beside full-attention ones): the same pool bytes, its own results
     hybrid = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+    quantized = "".join(f"_{kv}" for kv in kv_dtypes if kv != "auto")
     stem = output_stem(
-        args, f"vllm{'_hybrid' if hybrid else ''}{workload_name}{'_prefix_cache' if args.prefix_caching else ''}"
+        args,
+        f"vllm{'_hybrid' if hybrid else ''}{workload_name}{'_prefix_cache' if args.prefix_caching else ''}{quantized}",
     )
     with tqdm(total=args.repeats * len(configs), desc="runs") as progress:
         for repeat in range(args.repeats):
@@ -357,7 +397,7 @@ def main(argv=None) -> int:
                 measured[name].append(run(llm, conversations, ratio, f"{repeat}-{name}", lone))
                 progress.update()
             # a hybrid model's sliding-window layers keep their windows: no goal from the ratio alone
-            rows, table = summarise(measured, configs, goals=not hybrid)
+            rows, table = summarise(measured, configs, goals=not hybrid, twins=twins, cache_gain=cache_gain)
             what = {
                 "random": f"{args.requests} requests submitted at once, prompts of {args.min_prompt}-{args.max_prompt} "
                 "tokens",
@@ -378,7 +418,8 @@ def main(argv=None) -> int:
                     else f"{blocks} blocks of {args.block_size} tokens ({args.pool_tokens} tokens, {args.dtype}) "
                     "for both "
                 )
-                + "engines; engines in one process, enforce_eager, "
+                + ("engines" if len(kv_dtypes) == 1 else f"engines of each KV cache dtype ({', '.join(kv_dtypes)})")
+                + "; engines in one process, enforce_eager, "
                 f"{'prefix caching on' if args.prefix_caching else 'no prefix caching'}; medians of {repeat + 1} "
                 "interleaved repeats, ratios to stock vLLM measured in the same repeat"
             )

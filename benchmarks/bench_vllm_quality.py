@@ -19,6 +19,11 @@ compared with the same press compressed once after the prompt (at ratio 0: with 
 compactions only happen in answers longer than the interval: ``--ignore-eos`` makes every answer ``--max-new`` tokens
 long. The head-wise presses compress once after the prompt (they refuse the schedules).
 
+``--kv-cache-dtype fp8`` (or ``fp8_e5m2``) serves every configuration a second time on an engine with that quantized KV
+cache (rows ``... fp8``): the uncompressed one is the quantized cache alone, the others quantization and eviction
+together, all compared with the float engine's uncompressed answers, and each with the same configuration on the float
+cache in the last column.
+
 Run it in the plugin's environment (``make bench-vllm-quality``, or
 ``python benchmarks/bench_vllm_quality.py --out-dir results/benchmarks``); ``--quick`` checks the logic on tiny sizes.
 """
@@ -101,6 +106,7 @@ def main(argv=None) -> int:
         "--window-size", type=int, default=0, help="SnapKV's observation window (0: the plugin's default, 64)"
     )
     parser.add_argument("--ignore-eos", action="store_true", help="every answer --max-new tokens long")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="fp8, fp8_e5m2: every row again over that KV cache")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (the logic, not the numbers)")
     args = parse_arguments(parser, argv)
     if args.quick:
@@ -139,12 +145,14 @@ def main(argv=None) -> int:
     element = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     token_bytes = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element
     tokens = len(configs) * sum(len(p) + args.max_new + args.block_size for p in prompts)
-    llm = LLM(
-        args.model, dtype=args.dtype, enforce_eager=True, block_size=args.block_size, seed=0,
-        max_model_len=max(map(len, prompts)) + args.max_new,
-        kv_cache_memory_bytes=min(4 * 2**30, max(512 * 2**20, tokens * token_bytes)),
-        enable_prefix_caching=False, additional_config={"kvpress_critical": {"compression_ratio": 0.0}},
-    )  # fmt: skip
+    engines = {"auto": None} if args.kv_cache_dtype == "auto" else {"auto": None, args.kv_cache_dtype: None}
+    for kv in engines:  # the quantized engine in the float one's bytes
+        engines[kv] = LLM(
+            args.model, dtype=args.dtype, enforce_eager=True, block_size=args.block_size, seed=0,
+            max_model_len=max(map(len, prompts)) + args.max_new, kv_cache_dtype=kv,
+            kv_cache_memory_bytes=min(4 * 2**30, max(512 * 2**20, tokens * token_bytes)),
+            enable_prefix_caching=False, additional_config={"kvpress_critical": {"compression_ratio": 0.0}},
+        )  # fmt: skip
     # every configuration's requests in one call (each request carries its options): the engine batches them
     requests, params = [], []
     for label, _, ratio, options, _ in configs:
@@ -153,11 +161,16 @@ def main(argv=None) -> int:
         sampling = SamplingParams(max_tokens=args.max_new, temperature=0, ignore_eos=args.ignore_eos, extra_args=extra)
         requests += [{"prompt_token_ids": p} for p in prompts]
         params += [sampling] * len(prompts)
-    outputs = llm.generate(requests, params, use_tqdm=True)  # progress: answers done
     answers = {}
-    for i, (label, _, ratio, _, _) in enumerate(configs):
-        chunk = outputs[i * len(prompts) : (i + 1) * len(prompts)]
-        answers[(label, ratio)] = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in chunk]
+    float_configs = list(configs)
+    for kv, llm in engines.items():
+        outputs = llm.generate(requests, params, use_tqdm=True)  # progress: answers done
+        suffix = "" if kv == "auto" else f" {kv}"
+        for i, (label, press, ratio, options, _) in enumerate(float_configs):
+            chunk = outputs[i * len(prompts) : (i + 1) * len(prompts)]
+            answers[(label + suffix, ratio)] = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in chunk]
+            if suffix:  # compared with the same configuration on the float cache
+                configs.append((label + suffix, press, ratio, options, label))
     reference = answers[("uncompressed", 0.0)]
     clusters = data["context_id"].to_numpy()
     scores = {}
@@ -180,7 +193,12 @@ def main(argv=None) -> int:
             diff = paired_bootstrap(mean_difference, agree, scores[(baseline, base_ratio)][0], clusters=clusters)
             row.update(baseline=baseline, vs_baseline=diff.estimate, vs_baseline_low=diff.low,
                        vs_baseline_high=diff.high)  # fmt: skip
-            named = baseline if baseline == "uncompressed" or "adakv_" in press else f"{baseline} after the prompt"
+            if label.startswith(baseline + " fp8"):
+                named = f"{baseline} on the float cache"
+            elif baseline == "uncompressed" or "adakv_" in press:
+                named = baseline
+            else:
+                named = f"{baseline} after the prompt"
             interval = f"{diff.format(3)} (vs {named})"
         rows.append(row)
         table.append([label, fmt(ratio), fmt(row["token_agreement"], 3), fmt(row["right"], 3), interval])
@@ -203,6 +221,15 @@ def main(argv=None) -> int:
     if schedules:
         title = "kvpress-critical's vLLM plugin: answers kept by each compression schedule"
         name = "vllm_quality_schedules"
+    if args.kv_cache_dtype != "auto":
+        title = (
+            f"kvpress-critical's vLLM plugin: answers kept with an {args.kv_cache_dtype} KV cache, eviction, and both"
+        )
+        name += f"_{args.kv_cache_dtype}"
+        details += (
+            f"; rows `... {args.kv_cache_dtype}` served by a second engine with kv_cache_dtype={args.kv_cache_dtype!r} "
+            "in the same pool bytes, agreement still with the float engine's uncompressed answers"
+        )
     markdown = result_header(title, args.device, details, model=Path(args.model).name)
     write_results(output_stem(args, name), rows, markdown + markdown_table(HEADER, table) + "\n")
     print(markdown_table(HEADER, table))

@@ -33,6 +33,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/ScalarType.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -201,7 +203,7 @@ void load_queries(const at::Tensor& query, int64_t b, int64_t kv, int64_t group,
 // Merge the partial results (max, sum, unnormalised output per row, `slot` floats an item) of every segment's items
 // first_item[s] .. first_item[s + 1] - 1 by their log-sum-exp and write out (B, q, H, d); rows that saw nothing: 0.
 void merge_items(const float* part, int64_t slot, const std::vector<int64_t>& first_item, int64_t kv_heads,
-                 at::Tensor& out) {
+                 at::Tensor& out, float out_scale = 1.0f) {
   const int64_t q_len = out.size(1), heads = out.size(2), d = out.size(3), group = heads / kv_heads;
   const int64_t rows = group * q_len, segments = out.size(0) * kv_heads;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "ragged_attention_out", [&] {
@@ -225,7 +227,7 @@ void merge_items(const float* part, int64_t slot, const std::vector<int64_t>& fi
             for (int64_t k = 0; k < d; ++k) row[k] += w * a[k];
           }
         }
-        const float inv = denominator > 0.0f ? 1.0f / denominator : 0.0f;
+        const float inv = denominator > 0.0f ? out_scale / denominator : 0.0f;
         scalar_t* dst = o + ((b * q_len + i) * heads + kv * group + g) * d;
         for (int64_t k = 0; k < d; ++k) dst[k] = static_cast<scalar_t>(row[k] * inv);
       }
@@ -239,7 +241,8 @@ void merge_items(const float* part, int64_t slot, const std::vector<int64_t>& fi
 // and `extra` is a per-thread byte buffer the item may use. Then the items of each segment are merged into the output.
 template <typename AttendItem>
 at::Tensor run_items(const at::Tensor& query, int64_t kv_heads, const std::vector<Item>& items,
-                     const std::vector<int64_t>& first_item, double scale, AttendItem&& attend_item) {
+                     const std::vector<int64_t>& first_item, double scale, AttendItem&& attend_item,
+                     float out_scale = 1.0f) {
   const int64_t batch = query.size(0), heads = query.size(1), q_len = query.size(2), d = query.size(3);
   const int64_t group = heads / kv_heads, rows = group * q_len;  // problem rows of a segment: r = g * q_len + i
   at::Tensor out = at::empty({batch, q_len, heads, d}, query.options());
@@ -277,7 +280,7 @@ at::Tensor run_items(const at::Tensor& query, int64_t kv_heads, const std::vecto
       attend_item(item, b, kv, qs, m, l, acc, space, last.data(), extra);
     }
   });
-  merge_items(part, slot, first_item, kv_heads, out);
+  merge_items(part, slot, first_item, kv_heads, out, out_scale);
   return out;
 }
 
@@ -430,6 +433,70 @@ at::Tensor ragged_attention_quantized_cpu(const at::Tensor& query, const at::Ten
 }
 
 
+// fp8 codes (vLLM's fp8 KV caches) as bfloat16 numbers, exactly: an e5m2 code is the upper byte of the fp16 of its
+// value; an e4m3 code's exponent and mantissa moved into fp16's give its value times 2^-8 (normals and subnormals
+// alike land on fp16's exactly); fp16 to float32 is exact, and so is float32 to bfloat16 by truncation (fp8's
+// mantissa is shorter than bfloat16's; every value is a bfloat16 normal). The bfloat16 micro-kernels then read
+// them in float32 (the query is never rounded); the 2^8 of e4m3 and the per-tensor scales go into the softmax scale
+// (keys) and onto the output (values).
+constexpr float fp8_factor(bool e4m3) { return e4m3 ? 256.0f : 1.0f; }
+
+template <bool E4M3>
+inline uint16_t fp8_as_half_bits(uint32_t code) {
+  return static_cast<uint16_t>(E4M3 ? ((code & 0x80u) << 8) | ((code & 0x7Fu) << 7) : code << 8);
+}
+
+template <bool E4M3>
+void fp8_as_bfloat16_scalar(const uint8_t* codes, int64_t n, int64_t d, int64_t ld, uint16_t* out) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t k = 0; k < d; ++k) {
+      const float value = static_cast<float>(c10::Half(fp8_as_half_bits<E4M3>(codes[r * ld + k]), c10::Half::from_bits()));
+      uint32_t bits;
+      std::memcpy(&bits, &value, sizeof(bits));
+      out[r * d + k] = static_cast<uint16_t>(bits >> 16);
+    }
+}
+
+#ifdef KVPC_X86_ATTENTION
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c")
+// eight codes at a time: bytes -> fp16 bits (shifts) -> float32 (vcvtph2ps) -> the upper halves
+template <bool E4M3>
+void fp8_as_bfloat16_f16c(const uint8_t* codes, int64_t n, int64_t d, int64_t ld, uint16_t* out) {
+  for (int64_t r = 0; r < n; ++r) {
+    const uint8_t* row = codes + r * ld;
+    uint16_t* dst = out + r * d;
+    int64_t k = 0;
+    for (; k + 8 <= d; k += 8) {
+      const __m128i words = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k)));
+      const __m128i half =
+          E4M3 ? _mm_or_si128(_mm_slli_epi16(_mm_and_si128(words, _mm_set1_epi16(0x80)), 8),
+                              _mm_slli_epi16(_mm_and_si128(words, _mm_set1_epi16(0x7F)), 7))
+               : _mm_slli_epi16(words, 8);
+      const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtph_ps(half)), 16);
+      const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), packed);
+    }
+    if (k < d) fp8_as_bfloat16_scalar<E4M3>(row + k, 1, d - k, ld, dst + k);
+  }
+}
+#pragma GCC pop_options
+#endif
+
+using Fp8DecodeFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*);
+
+// The vector decoder where the CPU has AVX2 and F16C, unless KVPRESS_CRITICAL_CPU_ISA caps the kernels at generic.
+Fp8DecodeFn fp8_decoder(bool e4m3) {
+#ifdef KVPC_X86_ATTENTION
+  __builtin_cpu_init();
+  const char* cap = std::getenv("KVPRESS_CRITICAL_CPU_ISA");
+  const bool generic = cap != nullptr && std::string(cap) == "generic";
+  if (!generic && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+    return e4m3 ? &fp8_as_bfloat16_f16c<true> : &fp8_as_bfloat16_f16c<false>;
+#endif
+  return e4m3 ? &fp8_as_bfloat16_scalar<true> : &fp8_as_bfloat16_scalar<false>;
+}
+
 // paged_ragged_attention: the same attention over head-wise entries kept inside a paged cache
 // (kvpress_critical/ops/paged_ragged_attention). A segment's region entries are read in place, run by run (a run:
 // the entries of one region block, consecutive rows), through the row's region table; a row's tail is gathered
@@ -442,7 +509,7 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
                                       const at::Tensor& tail_keys, const at::Tensor& tail_values,
                                       const at::Tensor& tail_table_in, const at::Tensor& tail_len_in,
                                       const at::Tensor& key_offsets_in, const at::Tensor& value_offsets_in,
-                                      double scale) {
+                                      double scale, double k_scale, double v_scale) {
   TORCH_CHECK(query.dim() == 4, "kvpress_critical: query must be (batch, heads, q_len, head_dim), got ", query.sizes());
   const int64_t batch = query.size(0), heads = query.size(1), q_len = query.size(2), d = query.size(3);
   TORCH_CHECK(key_offsets_in.dim() == 3 && key_offsets_in.sizes() == value_offsets_in.sizes() &&
@@ -453,10 +520,14 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(heads % kv_heads == 0, "kvpress_critical: the query's ", heads, " heads are not a multiple of the ",
               kv_heads, " KV heads");
   const auto type = region_keys.scalar_type();
+  const bool fp8 = type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2;
   for (const at::Tensor* t : {&region_keys, &region_values, &tail_keys, &tail_values})
-    TORCH_CHECK(t->scalar_type() == type && (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf) &&
-                    t->device().is_cpu(),
-                "kvpress_critical: the paged cache must be one float32 / bfloat16 / half CPU tensor");
+    TORCH_CHECK(t->scalar_type() == type &&
+                    (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf || fp8) && t->device().is_cpu(),
+                "kvpress_critical: the paged cache must be one float32 / bfloat16 / half / fp8 (e4m3fn, e5m2) CPU "
+                "tensor");
+  TORCH_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0),
+              "kvpress_critical: k_scale / v_scale scale fp8 codes; a float cache's entries are read as they are");
   TORCH_CHECK(region_keys.dim() == 3 && region_keys.sizes() == region_values.sizes() && region_keys.size(2) == d &&
                   region_keys.stride(2) == 1 && region_values.stride(2) == 1,
               "kvpress_critical: region keys / values must be (blocks, rows, head_dim) views with unit stride along "
@@ -534,19 +605,30 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
   const std::vector<int64_t> first_item = segment_items(segments, total, lengths, nullptr, tails, kv_heads, items);
 
   const AttentionIsa& isa = attention_isa();
-  const AttendFn attend = type == at::kFloat ? isa.f32 : type == at::kBFloat16 ? isa.bf16 : isa.f16;
+  // fp8 codes become bfloat16 run by run (a region block's rows, a gathered tail) and are attended as bfloat16
+  const AttendFn attend = type == at::kFloat ? isa.f32 : type == at::kBFloat16 || fp8 ? isa.bf16 : isa.f16;
   const int64_t esize = region_keys.element_size();
+  const bool e4m3 = type == at::kFloat8_e4m3fn;
+  const Fp8DecodeFn decode = fp8_decoder(e4m3);
+  const double key_factor = fp8 ? fp8_factor(e4m3) * k_scale : 1.0;
+  const float value_factor = fp8 ? static_cast<float>(fp8_factor(e4m3) * v_scale) : 1.0f;
+  // per thread: bfloat16 room for a tail's or a region block's decoded keys and values (fp8), then the gathered tail
+  // (keys, then values, in the cache's element type)
+  const int64_t gathered_bytes = 2 * max_tail * d * esize;
+  const int64_t decoded_halves = fp8 ? 2 * std::max(max_tail, rows_per_block) * d : 0;
   const char* rk = static_cast<const char*>(region_keys.const_data_ptr());
   const char* rv = static_cast<const char*>(region_values.const_data_ptr());
   const char* tk = static_cast<const char*>(tail_keys.const_data_ptr());
   const char* tv = static_cast<const char*>(tail_values.const_data_ptr());
-  return run_items(query, kv_heads, items, first_item, scale,
+  return run_items(query, kv_heads, items, first_item, scale * key_factor,
                    [&](const Item& item, int64_t b, int64_t kv, const float* qs, float* m, float* l, float* acc,
                        float* space, int64_t* last, std::vector<char>& gathered) {
+    // bfloat16 room first (aligned as the vector's storage), then the gathered bytes
+    gathered.resize(decoded_halves * sizeof(uint16_t) + gathered_bytes);
+    uint16_t* decoded = reinterpret_cast<uint16_t*>(gathered.data());
     if (item.tail) {  // the row's tail for this KV head, gathered in the cache's element type: keys, then values
       const int64_t length = item.end;
-      gathered.resize(2 * max_tail * d * esize);
-      char* gk = gathered.data();
+      char* gk = gathered.data() + decoded_halves * sizeof(uint16_t);
       char* gv = gk + length * d * esize;
       for (int64_t t = 0; t < length; ++t) {
         const int64_t block = tt[b * tail_table.size(1) + t / block_size];
@@ -559,7 +641,13 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
           std::memcpy(gv + (t * d + k) * esize, vb + voff[slot + k] * esize, value_runs[slot + k] * esize);
       }
       for (int64_t r = 0; r < rows; ++r) last[r] = length - q_len + r % q_len;
-      attend(qs, rows, d, gk, d, gv, d, length, last, m, l, acc, space);
+      if (fp8) {
+        decode(reinterpret_cast<const uint8_t*>(gk), length, d, d, decoded);
+        decode(reinterpret_cast<const uint8_t*>(gv), length, d, d, decoded + length * d);
+        attend(qs, rows, d, decoded, d, decoded + length * d, d, length, last, m, l, acc, space);
+      } else {
+        attend(qs, rows, d, gk, d, gv, d, length, last, m, l, acc, space);
+      }
     } else {  // the region entries [begin, end) of the segment, one run (region block) at a time
       int64_t e = starts[item.segment] + item.begin;
       const int64_t stop = starts[item.segment] + item.end;
@@ -567,13 +655,20 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
         const int64_t column = e / rows_per_block, row = e % rows_per_block;
         const int64_t n = std::min(stop, (column + 1) * rows_per_block) - e;
         const int64_t block = rt[b * region_table.size(1) + column];
-        attend(qs, rows, d, rk + (block * region_keys.stride(0) + row * region_keys.stride(1)) * esize,
-               region_keys.stride(1), rv + (block * region_values.stride(0) + row * region_values.stride(1)) * esize,
-               region_values.stride(1), n, nullptr, m, l, acc, space);
+        const char* keys = rk + (block * region_keys.stride(0) + row * region_keys.stride(1)) * esize;
+        const char* values = rv + (block * region_values.stride(0) + row * region_values.stride(1)) * esize;
+        if (fp8) {  // this run's codes as bfloat16 rows, then attended as bfloat16 entries
+          decode(reinterpret_cast<const uint8_t*>(keys), n, d, region_keys.stride(1), decoded);
+          decode(reinterpret_cast<const uint8_t*>(values), n, d, region_values.stride(1), decoded + n * d);
+          attend(qs, rows, d, decoded, d, decoded + n * d, d, n, nullptr, m, l, acc, space);
+        } else {
+          attend(qs, rows, d, keys, region_keys.stride(1), values, region_values.stride(1), n, nullptr, m, l, acc,
+                 space);
+        }
         e += n;
       }
     }
-  });
+  }, value_factor);
 }
 
 std::string attention_kernel_isa() { return attention_isa().name; }
@@ -591,7 +686,7 @@ TORCH_LIBRARY_FRAGMENT(kvpress_critical, m) {
   m.def(
       "paged_ragged_attention(Tensor query, Tensor region_keys, Tensor region_values, Tensor region_table, "
       "Tensor seg_start, Tensor seg_len, Tensor tail_keys, Tensor tail_values, Tensor tail_table, Tensor tail_len, "
-      "Tensor key_offsets, Tensor value_offsets, float scale) -> Tensor");
+      "Tensor key_offsets, Tensor value_offsets, float scale, float k_scale=1.0, float v_scale=1.0) -> Tensor");
   m.def("attention_kernel_isa() -> str", &attention_kernel_isa);
 }
 

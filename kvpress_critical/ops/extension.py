@@ -262,7 +262,7 @@ def _register_fakes() -> None:
         return query.new_empty((bsz, q_len, heads, head_dim))
 
     @torch.library.register_fake("kvpress_critical::paged_ragged_attention")
-    def _paged_ragged_attention_fake(query, *_):
+    def _paged_ragged_attention_fake(query, *_, **__):
         bsz, heads, q_len, head_dim = query.shape
         return query.new_empty((bsz, q_len, heads, head_dim))
 

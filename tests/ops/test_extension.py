@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 NAIVE = REPO / "kvpress_critical" / "ops" / "projected_value_norm" / "naive.py"
 ATTENTION_NAIVE = REPO / "kvpress_critical" / "ops" / "ragged_attention" / "naive.py"
 ATTENTION_LAYOUT = REPO / "kvpress_critical" / "ops" / "ragged_attention" / "layout.py"
+PAGED_NAIVE = REPO / "kvpress_critical" / "ops" / "paged_ragged_attention" / "naive.py"
 
 
 def test_every_cpu_instruction_set_matches_the_reference(ops):
@@ -33,7 +34,8 @@ def test_every_cpu_instruction_set_matches_the_reference(ops):
     values for the projected norm; fp32, bf16 and half caches, a head_dim that is not a multiple of any vector width,
     the head sizes with compile-time addressing (64, 128) under and over a register block of rows, more query rows
     than head_dim (the scaled-probability scratch), causal query rows and a long split segment for the ragged
-    attention, over float entries and over int8 / int4 codes and KIVI's layout."""
+    attention, over float entries and over int8 / int4 codes and KIVI's layout; the paged op over fp8 codes (the
+    vector decoder, and the scalar one under generic and for a head_dim that is not a multiple of 8)."""
     # loads the library and the reference modules by path: no package import (kvpress, transformers) per process
     script = (
         "import importlib.util, sys, torch\n"
@@ -71,6 +73,15 @@ def test_every_cpu_instruction_set_matches_the_reference(ops):
         "            ref = attention.ragged_attention_ref(inputs[0], k, v, *inputs[3:], q + 2, d ** -0.5).double()\n"
         "            bound = tol * (1 + v.dequantize().abs().max().item())\n"
         "            torch.testing.assert_close(out.double(), ref, rtol=0, atol=bound)\n"
+        f"paged = load('paged', {str(PAGED_NAIVE)!r})\n"
+        f"paged_layout = load('paged_layout', {str(PAGED_NAIVE.parent / 'layout.py')!r})\n"
+        "for codes_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):\n"  # fp8 caches: the vector and scalar decoders
+        "    for d in (64, 72):\n"
+        "        inputs = paged_layout.random_paged_layout(2, 2, 3, 2, d, 8, [[5, 40], [17, 0]], [4, 11],\n"
+        "                                                  cache_dtype=codes_dtype)\n"
+        "        out = ops.paged_ragged_attention(*list(inputs.values())[:13], inputs['k_scale'], inputs['v_scale'])\n"
+        "        ref = paged.paged_ragged_attention_ref(**inputs).double()\n"
+        "        torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-4)\n"
         "print(ops.cpu_kernel_isa(), ops.attention_kernel_isa())\n"
     )
     seen = {}

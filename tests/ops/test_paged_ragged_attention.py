@@ -225,16 +225,43 @@ def test_fp8_codes_are_read_with_their_scales(cache_dtype, q_len, dtype):
     torch.testing.assert_close(ref, expected, rtol=0, atol=1e-12)
 
 
-def test_fp8_codes_go_to_the_torch_backend_and_the_kernels_refuse_them_by_name():
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_cpu_backends_read_fp8_codes(backend, cache_dtype):
+    """Each CPU backend over fp8 codes, GQA 4 and 7, decoding and a chunk, block sizes 8 and 32, against the float64
+    reference over the same codes."""
+    for group, q_len, block_size in ((4, 1, 8), (7, 6, 32), (1, 3, 16)):
+        inputs = fp8_layout(group, q_len, block_size, cache_dtype)
+        out = paged_ragged_attention(**inputs, backend=backend)
+        rtol, atol = ATTENTION_TOLERANCE[torch.float32]
+        expected = paged_ragged_attention_ref(**inputs).double()
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=atol + rtol * 4)
+
+
+def test_fp8_codes_are_refused_by_the_triton_kernel_by_name_and_scales_by_a_float_cache():
     inputs = fp8_layout(2, 1, 8, torch.float8_e4m3fn)
+    expected = CPU_BACKENDS[-1]  # cpp where the extension loads, else torch
     assert PAGED_RAGGED_ATTENTION.resolve("auto", torch.device("cpu"), inputs["query"], inputs["region_keys"]) == (
-        "torch"
+        expected
     )
-    for name in ("cpp", "triton"):
-        if name == "triton" and "cpu" not in PAGED_RAGGED_ATTENTION[name].device_types():
-            continue
+    if "cpu" in PAGED_RAGGED_ATTENTION["triton"].device_types():
         with pytest.raises(RuntimeError, match="float8_e4m3fn codes"):
-            paged_ragged_attention(**inputs, backend=name)
+            paged_ragged_attention(**inputs, backend="triton")
+    assert PAGED_RAGGED_ATTENTION["triton"].refusal(inputs["query"], inputs["region_keys"]) is not None
     float_inputs = layout(1, 2, 1, 64, 8, torch.float32)
-    with pytest.raises(ValueError, match="scale fp8 codes"):
-        paged_ragged_attention(**float_inputs, k_scale=0.5, backend="torch")
+    for backend in CPU_BACKENDS:
+        with pytest.raises(ValueError, match="scale fp8 codes"):
+            paged_ragged_attention(**float_inputs, k_scale=0.5, backend=backend)
+
+
+def test_opcheck_over_fp8_codes(ops):
+    """The fake implementation and the autograd registration with fp8 codes and their scales (torch.library.opcheck;
+    its schema check compares inputs with a multiplication torch has no CPU kernel of for float8)."""
+    inputs = fp8_layout(3, 2, 8, torch.float8_e4m3fn, bsz=2)
+    args = [inputs[name] for name in ("query", "region_keys", "region_values", "region_table", "seg_start", "seg_len",
+                                      "tail_keys", "tail_values", "tail_table", "tail_len", "key_offsets",
+                                      "value_offsets")]  # fmt: skip
+    torch.library.opcheck(
+        ops.paged_ragged_attention.default, (*args, 0.25, inputs["k_scale"], inputs["v_scale"]),
+        test_utils=("test_faketensor", "test_autograd_registration"),
+    )  # fmt: skip

@@ -41,6 +41,15 @@ def pool_of(blocks: int) -> int:
     return (blocks + 1) * BLOCK_SIZE * TOKEN_BYTES
 
 
+def fp8_on_this_cpu() -> str | None:
+    """None where vLLM's CPU attention stores fp8 KV caches on this machine, else why not (its tests then skip)."""
+    import torch
+
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        return "vLLM's CPU attention stores fp8 KV caches on x86 with AVX-512 or AMX only; this CPU has neither"
+    return None
+
+
 def model_path() -> str:
     """The embedded SmolLM2 folder vLLM loads (``kvpress_critical.default_model.vllm_model_path``, made by `make`)."""
     path = os.environ.get("KVPRESS_CRITICAL_VLLM_MODEL") or str(

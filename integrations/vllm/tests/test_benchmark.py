@@ -5,7 +5,7 @@ import sys
 
 import background
 import pytest
-from conftest import REPO, model_path
+from conftest import REPO, fp8_on_this_cpu, model_path
 
 pytestmark = pytest.mark.slow
 
@@ -24,12 +24,15 @@ def bench_vllm_job(tmp_path_factory) -> background.Job:
                       "--lone-prompt", "150", "--workload", "chats", "--prefix-caching")  # fmt: skip
 
 
+FP8 = fp8_on_this_cpu() is None  # the quality job serves every row again over an fp8 KV cache where vLLM can
+
+
 @background.job("bench-vllm-quality", lane="bench")
 def bench_vllm_quality_job(tmp_path_factory) -> background.Job:
     return script_job(
         tmp_path_factory, "bench_vllm_quality", "--quick", "--presses", "critical_snapkv,critical_adakv_snapkv",
         "--chunk-size", "128", "--compression-interval", "40", "--target-size", "48", "--window-size", "32",
-        "--ignore-eos", "--max-new", "48",
+        "--ignore-eos", "--max-new", "48", *(("--kv-cache-dtype", "fp8") if FP8 else ()),
     )  # fmt: skip
 
 
@@ -54,7 +57,8 @@ def test_bench_vllm_quick_writes_its_table(background_job):
 @pytest.mark.background("bench-vllm-quality")
 def test_bench_vllm_quality_quick_writes_its_table(background_job):
     assert background_job.returncode == 0, (background_job.error, background_job.output()[-4000:])
-    table = (background_job.cwd / "vllm_quality_schedules_cpu.md").read_text()
+    stem = "vllm_quality_schedules_fp8_cpu" if FP8 else "vllm_quality_schedules_cpu"
+    table = (background_job.cwd / f"{stem}.md").read_text()
     assert "| uncompressed | 0.00 | 1.000 |" in table  # the reference agrees with itself
     assert "(vs critical_snapkv) |" in table  # the head-wise press against its uniform one
     assert "| critical_adakv_snapkv chunk" not in table and "| critical_adakv_snapkv decode" not in table
@@ -62,5 +66,9 @@ def test_bench_vllm_quality_quick_writes_its_table(background_job):
     for schedule in ("chunk 128", "decode 40/48", "chunk 128 decode 40/48"):
         assert f"| critical_snapkv {schedule} | 0.50 |" in table
     assert table.count("(vs critical_snapkv after the prompt)") == 3 and table.count("(vs uncompressed)") == 1
-    # uncompressed, the decoding-only row, 2 presses at 0.5 and the uniform one's 3 schedules: a header and 7 rows
-    assert (background_job.cwd / "vllm_quality_schedules_cpu.csv").read_text().count("\n") == 8
+    # uncompressed, the decoding-only row, 2 presses at 0.5 and the uniform one's 3 schedules: a header and 7 rows,
+    # and the same 7 over the fp8 cache, each against its float twin
+    assert (background_job.cwd / f"{stem}.csv").read_text().count("\n") == (15 if FP8 else 8)
+    if FP8:
+        assert "| uncompressed fp8 | 0.00 |" in table and table.count("on the float cache)") == 7
+        assert "| critical_snapkv chunk 128 decode 40/48 fp8 | 0.50 |" in table

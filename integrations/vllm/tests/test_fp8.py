@@ -11,7 +11,7 @@ holds four times its blocks.
 
 import pytest
 import torch
-from conftest import ENGINES, pool_of, scheduler_of
+from conftest import ENGINES, fp8_on_this_cpu, pool_of, scheduler_of
 from reference import (
     fp8_cache,
     greedy_after_eviction,
@@ -19,7 +19,6 @@ from reference import (
     greedy_with_head_masks,
     teacher_forced,
 )
-from test_fp8_units import fp8_on_this_cpu
 from workload import BLOCK_SIZE
 
 pytestmark = [

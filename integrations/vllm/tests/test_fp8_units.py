@@ -8,19 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import fp8_on_this_cpu
 from kvpress_critical_vllm.kv_codes import FP8_FORMATS, KVCodes
 from kvpress_critical_vllm.layouts import LearnedBlockLayout, check_round_trip
 from kvpress_critical_vllm.options import CompressionOptions
 from reference import fp8_codes
 
 FORMATS = ["fp8", "fp8_e4m3", "fp8_e5m2"]
-
-
-def fp8_on_this_cpu() -> str | None:
-    """None where vLLM's CPU attention stores fp8 here, else why not."""
-    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
-        return "vLLM's CPU attention stores fp8 KV caches on x86 with AVX-512 or AMX only; this CPU has neither"
-    return None
 
 
 needs_fp8_cpu = pytest.mark.skipif(fp8_on_this_cpu() is not None, reason=str(fp8_on_this_cpu()))

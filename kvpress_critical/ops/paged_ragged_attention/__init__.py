@@ -11,8 +11,9 @@ float32. It is :func:`kvpress_critical.ops.ragged_attention` with block tables: 
 the blocks a paged engine (vLLM, :mod:`kvpress_critical_vllm`) already holds.
 
 The cache may hold fp8 codes (``region_*`` and ``tail_*`` in one of :data:`FP8_DTYPES`, vLLM's fp8 KV caches): an
-entry is then its code times the per-tensor ``k_scale`` (keys) or ``v_scale`` (values), read in place; the ``torch``
-backend reads them, the ``cpp`` and ``triton`` kernels refuse them (``auto`` falls back with one warning).
+entry is then its code times the per-tensor ``k_scale`` (keys) or ``v_scale`` (values), read in place: the ``torch``
+and ``cpp`` backends read them (``cpp`` decodes a region block or a gathered tail at a time to float32), the
+``triton`` kernel refuses them (``auto`` falls back with one warning).
 
 Backends (:data:`PAGED_RAGGED_ATTENTION`; ``auto``: CPU ``cpp`` > ``torch``, CUDA ``triton`` > ``torch``;
 ``$KVPRESS_CRITICAL_PAGED_RAGGED_ATTENTION_BACKEND`` replaces ``auto``): ``torch`` (portable: one segment gathered at
@@ -39,9 +40,9 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # codes the op reads with
 
 
 def _float_entries_only(query, region_keys) -> str | None:
-    """The kernels read float entries: fp8 codes go to the ``torch`` backend."""
+    """The Triton kernel reads float entries: fp8 codes go to the ``cpp`` or ``torch`` backend."""
     if region_keys.dtype in FP8_DTYPES:
-        return f"it reads float entries, not {region_keys.dtype} codes (the torch backend reads them)"
+        return f"it reads float entries, not {region_keys.dtype} codes (the cpp and torch backends read them)"
     return None
 
 
@@ -163,11 +164,11 @@ def paged_ragged_attention(
     return PAGED_RAGGED_ATTENTION[name].fn(*args, float(scale), max_len)
 
 
-def paged_ragged_attention_cpp(*args):
+def paged_ragged_attention_cpp(*args, **scales):
     """The C++ extension's CPU kernel (``kvpress_critical::paged_ragged_attention``)."""
     from kvpress_critical.ops.paged_ragged_attention.cpp_backend import paged_ragged_attention_cpp as cpp_fn
 
-    return cpp_fn(*args)
+    return cpp_fn(*args, **scales)
 
 
 def paged_ragged_attention_triton(*args):
@@ -178,9 +179,7 @@ def paged_ragged_attention_triton(*args):
 
 
 PAGED_RAGGED_ATTENTION.register(Backend("torch", paged_ragged_attention_torch, ("cpu", "cuda"), lambda: None))
-PAGED_RAGGED_ATTENTION.register(
-    Backend("cpp", paged_ragged_attention_cpp, ("cpu",), cpp_availability, _float_entries_only)
-)
+PAGED_RAGGED_ATTENTION.register(Backend("cpp", paged_ragged_attention_cpp, ("cpu",), cpp_availability))
 PAGED_RAGGED_ATTENTION.register(
     Backend("triton", paged_ragged_attention_triton, triton_devices, triton_availability, _float_entries_only)
 )

@@ -12,14 +12,15 @@ from kvpress_critical.ops.extension import extension_state
 
 def paged_ragged_attention_cpp(
     query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
-    tail_len, key_offsets, value_offsets, scale, max_len=None,
+    tail_len, key_offsets, value_offsets, scale, max_len=None, k_scale=1.0, v_scale=1.0,
 ) -> torch.Tensor:  # fmt: skip
     """See :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention` (``max_len``: unused, the grid
-    of the ``triton`` backend only)."""
+    of the ``triton`` backend only). fp8 codes are decoded to float32 one region block (or gathered tail) at a time,
+    through a table of their 256 values times the scale, and attended by the float32 micro-kernels."""
     reason = extension_state().reason
     if reason is not None:
         raise RuntimeError(reason)
     return torch.ops.kvpress_critical.paged_ragged_attention(
         query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
-        tail_len, key_offsets, value_offsets, scale,
+        tail_len, key_offsets, value_offsets, scale, k_scale, v_scale,
     )  # fmt: skip
