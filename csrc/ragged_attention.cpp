@@ -104,12 +104,14 @@ using AttendCodesFn = void (*)(const float*, int64_t, int64_t, const CodeView&, 
 
 struct AttentionIsa {
   AttendFn f32, bf16, f16;         // one work item, by the dtype of the cache
+  AttendFn fp8_e4m3, fp8_e5m2;     // over fp8 codes (paged_ragged_attention)
   AttendCodesFn codes;             // one context work item over quantized entries
   const char* name;
 };
 
 #define KVPC_ATTENTION_ISA(ns, label) \
-  AttentionIsa{ns::attend_f32, ns::attend_bf16, ns::attend_f16, ns::attend_codes, label}
+  AttentionIsa{ns::attend_f32, ns::attend_bf16, ns::attend_f16, ns::attend_fp8_e4m3, ns::attend_fp8_e5m2, \
+               ns::attend_codes, label}
 
 // The best micro-kernels the CPU supports, at most KVPRESS_CRITICAL_CPU_ISA when set (as for the projected norm).
 const AttentionIsa& attention_isa() {
@@ -433,69 +435,8 @@ at::Tensor ragged_attention_quantized_cpu(const at::Tensor& query, const at::Ten
 }
 
 
-// fp8 codes (vLLM's fp8 KV caches) as bfloat16 numbers, exactly: an e5m2 code is the upper byte of the fp16 of its
-// value; an e4m3 code's exponent and mantissa moved into fp16's give its value times 2^-8 (normals and subnormals
-// alike land on fp16's exactly); fp16 to float32 is exact, and so is float32 to bfloat16 by truncation (fp8's
-// mantissa is shorter than bfloat16's; every value is a bfloat16 normal). The bfloat16 micro-kernels then read
-// them in float32 (the query is never rounded); the 2^8 of e4m3 and the per-tensor scales go into the softmax scale
-// (keys) and onto the output (values).
+// fp8 codes are read by the micro-kernels as value / 2^8 (e4m3) or value (e5m2): cpu_attention_kernel.inc
 constexpr float fp8_factor(bool e4m3) { return e4m3 ? 256.0f : 1.0f; }
-
-template <bool E4M3>
-inline uint16_t fp8_as_half_bits(uint32_t code) {
-  return static_cast<uint16_t>(E4M3 ? ((code & 0x80u) << 8) | ((code & 0x7Fu) << 7) : code << 8);
-}
-
-template <bool E4M3>
-void fp8_as_bfloat16_scalar(const uint8_t* codes, int64_t n, int64_t d, int64_t ld, uint16_t* out) {
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t k = 0; k < d; ++k) {
-      const float value = static_cast<float>(c10::Half(fp8_as_half_bits<E4M3>(codes[r * ld + k]), c10::Half::from_bits()));
-      uint32_t bits;
-      std::memcpy(&bits, &value, sizeof(bits));
-      out[r * d + k] = static_cast<uint16_t>(bits >> 16);
-    }
-}
-
-#ifdef KVPC_X86_ATTENTION
-#pragma GCC push_options
-#pragma GCC target("avx2,f16c")
-// eight codes at a time: bytes -> fp16 bits (shifts) -> float32 (vcvtph2ps) -> the upper halves
-template <bool E4M3>
-void fp8_as_bfloat16_f16c(const uint8_t* codes, int64_t n, int64_t d, int64_t ld, uint16_t* out) {
-  for (int64_t r = 0; r < n; ++r) {
-    const uint8_t* row = codes + r * ld;
-    uint16_t* dst = out + r * d;
-    int64_t k = 0;
-    for (; k + 8 <= d; k += 8) {
-      const __m128i words = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k)));
-      const __m128i half =
-          E4M3 ? _mm_or_si128(_mm_slli_epi16(_mm_and_si128(words, _mm_set1_epi16(0x80)), 8),
-                              _mm_slli_epi16(_mm_and_si128(words, _mm_set1_epi16(0x7F)), 7))
-               : _mm_slli_epi16(words, 8);
-      const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtph_ps(half)), 16);
-      const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), packed);
-    }
-    if (k < d) fp8_as_bfloat16_scalar<E4M3>(row + k, 1, d - k, ld, dst + k);
-  }
-}
-#pragma GCC pop_options
-#endif
-
-using Fp8DecodeFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*);
-
-// The vector decoder where the CPU has AVX2 and F16C, unless KVPRESS_CRITICAL_CPU_ISA caps the kernels at generic.
-Fp8DecodeFn fp8_decoder(bool e4m3) {
-#ifdef KVPC_X86_ATTENTION
-  __builtin_cpu_init();
-  const char* cap = std::getenv("KVPRESS_CRITICAL_CPU_ISA");
-  const bool generic = cap != nullptr && std::string(cap) == "generic";
-  if (!generic && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
-    return e4m3 ? &fp8_as_bfloat16_f16c<true> : &fp8_as_bfloat16_f16c<false>;
-#endif
-  return e4m3 ? &fp8_as_bfloat16_scalar<true> : &fp8_as_bfloat16_scalar<false>;
-}
 
 // paged_ragged_attention: the same attention over head-wise entries kept inside a paged cache
 // (kvpress_critical/ops/paged_ragged_attention). A segment's region entries are read in place, run by run (a run:
@@ -605,17 +546,17 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
   const std::vector<int64_t> first_item = segment_items(segments, total, lengths, nullptr, tails, kv_heads, items);
 
   const AttentionIsa& isa = attention_isa();
-  // fp8 codes become bfloat16 run by run (a region block's rows, a gathered tail) and are attended as bfloat16
-  const AttendFn attend = type == at::kFloat ? isa.f32 : type == at::kBFloat16 || fp8 ? isa.bf16 : isa.f16;
-  const int64_t esize = region_keys.element_size();
+  // fp8 codes are read in place by their micro-kernels; their factor and the per-tensor scales go into the softmax
+  // scale (keys) and onto the output (values)
   const bool e4m3 = type == at::kFloat8_e4m3fn;
-  const Fp8DecodeFn decode = fp8_decoder(e4m3);
+  const AttendFn attend = type == at::kFloat      ? isa.f32
+                          : type == at::kBFloat16 ? isa.bf16
+                          : type == at::kHalf     ? isa.f16
+                          : e4m3                  ? isa.fp8_e4m3
+                                                  : isa.fp8_e5m2;
+  const int64_t esize = region_keys.element_size();
   const double key_factor = fp8 ? fp8_factor(e4m3) * k_scale : 1.0;
   const float value_factor = fp8 ? static_cast<float>(fp8_factor(e4m3) * v_scale) : 1.0f;
-  // per thread: bfloat16 room for a tail's or a region block's decoded keys and values (fp8), then the gathered tail
-  // (keys, then values, in the cache's element type)
-  const int64_t gathered_bytes = 2 * max_tail * d * esize;
-  const int64_t decoded_halves = fp8 ? 2 * std::max(max_tail, rows_per_block) * d : 0;
   const char* rk = static_cast<const char*>(region_keys.const_data_ptr());
   const char* rv = static_cast<const char*>(region_values.const_data_ptr());
   const char* tk = static_cast<const char*>(tail_keys.const_data_ptr());
@@ -623,12 +564,10 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
   return run_items(query, kv_heads, items, first_item, scale * key_factor,
                    [&](const Item& item, int64_t b, int64_t kv, const float* qs, float* m, float* l, float* acc,
                        float* space, int64_t* last, std::vector<char>& gathered) {
-    // bfloat16 room first (aligned as the vector's storage), then the gathered bytes
-    gathered.resize(decoded_halves * sizeof(uint16_t) + gathered_bytes);
-    uint16_t* decoded = reinterpret_cast<uint16_t*>(gathered.data());
     if (item.tail) {  // the row's tail for this KV head, gathered in the cache's element type: keys, then values
       const int64_t length = item.end;
-      char* gk = gathered.data() + decoded_halves * sizeof(uint16_t);
+      gathered.resize(2 * max_tail * d * esize);
+      char* gk = gathered.data();
       char* gv = gk + length * d * esize;
       for (int64_t t = 0; t < length; ++t) {
         const int64_t block = tt[b * tail_table.size(1) + t / block_size];
@@ -641,13 +580,7 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
           std::memcpy(gv + (t * d + k) * esize, vb + voff[slot + k] * esize, value_runs[slot + k] * esize);
       }
       for (int64_t r = 0; r < rows; ++r) last[r] = length - q_len + r % q_len;
-      if (fp8) {
-        decode(reinterpret_cast<const uint8_t*>(gk), length, d, d, decoded);
-        decode(reinterpret_cast<const uint8_t*>(gv), length, d, d, decoded + length * d);
-        attend(qs, rows, d, decoded, d, decoded + length * d, d, length, last, m, l, acc, space);
-      } else {
-        attend(qs, rows, d, gk, d, gv, d, length, last, m, l, acc, space);
-      }
+      attend(qs, rows, d, gk, d, gv, d, length, last, m, l, acc, space);
     } else {  // the region entries [begin, end) of the segment, one run (region block) at a time
       int64_t e = starts[item.segment] + item.begin;
       const int64_t stop = starts[item.segment] + item.end;
@@ -655,16 +588,9 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
         const int64_t column = e / rows_per_block, row = e % rows_per_block;
         const int64_t n = std::min(stop, (column + 1) * rows_per_block) - e;
         const int64_t block = rt[b * region_table.size(1) + column];
-        const char* keys = rk + (block * region_keys.stride(0) + row * region_keys.stride(1)) * esize;
-        const char* values = rv + (block * region_values.stride(0) + row * region_values.stride(1)) * esize;
-        if (fp8) {  // this run's codes as bfloat16 rows, then attended as bfloat16 entries
-          decode(reinterpret_cast<const uint8_t*>(keys), n, d, region_keys.stride(1), decoded);
-          decode(reinterpret_cast<const uint8_t*>(values), n, d, region_values.stride(1), decoded + n * d);
-          attend(qs, rows, d, decoded, d, decoded + n * d, d, n, nullptr, m, l, acc, space);
-        } else {
-          attend(qs, rows, d, keys, region_keys.stride(1), values, region_values.stride(1), n, nullptr, m, l, acc,
-                 space);
-        }
+        attend(qs, rows, d, rk + (block * region_keys.stride(0) + row * region_keys.stride(1)) * esize,
+               region_keys.stride(1), rv + (block * region_values.stride(0) + row * region_values.stride(1)) * esize,
+               region_values.stride(1), n, nullptr, m, l, acc, space);
         e += n;
       }
     }

@@ -12,7 +12,7 @@ the blocks a paged engine (vLLM, :mod:`kvpress_critical_vllm`) already holds.
 
 The cache may hold fp8 codes (``region_*`` and ``tail_*`` in one of :data:`FP8_DTYPES`, vLLM's fp8 KV caches): an
 entry is then its code times the per-tensor ``k_scale`` (keys) or ``v_scale`` (values), read in place: the ``torch``
-and ``cpp`` backends read them (``cpp`` decodes a region block or a gathered tail at a time to float32), the
+and ``cpp`` backends read them (``cpp`` in its micro-kernels' registers, a quarter of float32's bytes), the
 ``triton`` kernel refuses them (``auto`` falls back with one warning).
 
 Backends (:data:`PAGED_RAGGED_ATTENTION`; ``auto``: CPU ``cpp`` > ``torch``, CUDA ``triton`` > ``torch``;

@@ -15,8 +15,8 @@ def paged_ragged_attention_cpp(
     tail_len, key_offsets, value_offsets, scale, max_len=None, k_scale=1.0, v_scale=1.0,
 ) -> torch.Tensor:  # fmt: skip
     """See :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention` (``max_len``: unused, the grid
-    of the ``triton`` backend only). fp8 codes are decoded to float32 one region block (or gathered tail) at a time,
-    through a table of their 256 values times the scale, and attended by the float32 micro-kernels."""
+    of the ``triton`` backend only). fp8 codes are read in place by the micro-kernels, converted in registers (their
+    bits moved into fp16's, then ``vcvtph2ps``), the scales applied to the softmax scale and to the output."""
     reason = extension_state().reason
     if reason is not None:
         raise RuntimeError(reason)
