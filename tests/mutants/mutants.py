@@ -185,8 +185,8 @@ MUTANTS = (
     ),
     Mutant(
         "ops-fp8-e4m3-exponent-misplaced", "ops", "csrc/cpu_attention_kernel.inc",
-        "                                           _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7))",
-        "                                           _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 6))",
+        " " * 43 + "_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7))",
+        " " * 43 + "_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 6))",
         "the AVX-512 micro-kernels read an e4m3 code's exponent and mantissa one bit too low",
         ("tests/ops/test_paged_ragged_attention.py",),
     ),
