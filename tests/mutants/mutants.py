@@ -168,7 +168,7 @@ MUTANTS = (
     ),
     Mutant(
         "fp8-scores-codes-without-their-scales", "worker", f"{PLUGIN}/kv_codes.py",
-        "        keys = (self.codes(keys).float() * self.k_scale).to(dtype)",
+        "        keys = self.codes(keys).float().mul_(self.k_scale).to(dtype)",
         "        keys = self.codes(keys).float().to(dtype)",
         "an fp8 cache's keys are scored as their codes, without the layer's k_scale: SnapKV's softmax sees other "
         "scores and the selection is not the rule's on the cached entries",

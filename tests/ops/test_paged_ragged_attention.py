@@ -223,6 +223,8 @@ def test_fp8_codes_are_read_with_their_scales(cache_dtype, q_len, dtype):
     dequantized["tail_keys"], dequantized["tail_values"] = keys_flat, values_flat
     expected = paged_ragged_attention_ref(**dequantized).double()
     torch.testing.assert_close(ref, expected, rtol=0, atol=1e-12)
+    over_floats = paged_ragged_attention(**{**dequantized, "query": dequantized["query"].float()}, backend="auto")
+    torch.testing.assert_close(out.double(), over_floats.double(), rtol=2 * rtol, atol=atol + rtol * 4)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
@@ -239,6 +241,11 @@ def test_cpu_backends_read_fp8_codes(backend, cache_dtype):
 
 
 def test_fp8_codes_are_refused_by_the_triton_kernel_by_name_and_scales_by_a_float_cache():
+    raw = fp8_layout(2, 1, 8, torch.float8_e4m3fn)
+    for name in ("region_keys", "region_values", "tail_keys", "tail_values"):
+        raw[name] = raw[name].view(torch.uint8)  # an fp8 cache's bytes, not viewed as codes
+    with pytest.raises(ValueError, match="uint8: pass float entries, or fp8 codes"):
+        paged_ragged_attention(**raw, backend="torch")
     inputs = fp8_layout(2, 1, 8, torch.float8_e4m3fn)
     expected = CPU_BACKENDS[-1]  # cpp where the extension loads, else torch
     assert PAGED_RAGGED_ATTENTION.resolve("auto", torch.device("cpu"), inputs["query"], inputs["region_keys"]) == (

@@ -152,6 +152,12 @@ def check_engine_config(vllm_config, cudagraph_requested: bool = True) -> Compre
                 "per-tensor scales, not this format",
                 f"Use kv_cache_dtype='auto' or one of {sorted(FP8_FORMATS)}",
             )
+        if getattr(cache, "kv_cache_dtype_skip_layers", None):
+            raise _refuse(
+                f"kv_cache_dtype_skip_layers={cache.kv_cache_dtype_skip_layers!r} keeps some layers' caches in floats "
+                "beside fp8 ones, which the plugin reads with one format for every compressed layer",
+                "Unset kv_cache_dtype_skip_layers (or use kv_cache_dtype='auto')",
+            )
         if vllm_config.device_config.device_type != "cpu":
             raise _refuse(
                 f"kv_cache_dtype={cache.cache_dtype!r} on {vllm_config.device_config.device_type}: the plugin reads "

@@ -136,7 +136,8 @@ class LearnedBlockLayout:
                 entries = (digits[:, None, None] if code == "slot" else digits[None, None, :]).expand(shape)
                 entries = entries.to(dtype).contiguous()
                 scratch = torch.zeros((1, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)
-                impl.do_kv_cache_update(UnitScales(layer), entries, entries, scratch, slots)
+                writer = UnitScales(layer) if codes.code_dtype is not None else layer
+                impl.do_kv_cache_update(writer, entries, entries, scratch, slots)
                 stored = codes.codes(scratch[0, 0].reshape(-1)).float().round().long()  # one block-head's storage
                 if bool((stored < 1).any()):
                     raise ValueError("layout probe: the backend left part of a block-head unwritten")

@@ -134,6 +134,7 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     # an fp8 cache's per-tensor scales (kv_codes.py): set on each attention layer by this function (1.0) and by the
     # checkpoint's kv-cache quantization (vllm.model_executor.layers.quantization.kv_cache)
     ("vllm.model_executor.layers.attention.attention", "set_default_quant_scales", "function"),
+    *_attributes("vllm.v1.attention.backend", "AttentionLayer", "_k_scale_float _v_scale_float"),
     ("vllm.distributed", "get_tp_group", "function"),
     ("vllm.distributed.parallel_state", "GroupCoordinator.cpu_group", "attribute"),
     # the entry points (plugin.py, engine_config.py)

@@ -78,6 +78,13 @@ def test_unsupported_engine_options_refuse(overrides, fix):
             lambda c: (setattr(c.cache_config, "cache_dtype", "fp8"), setattr(c.device_config, "device_type", "cuda")),
             "kv_cache_dtype='auto' on GPUs",
         ),
+        (
+            lambda c: (
+                setattr(c.cache_config, "cache_dtype", "fp8"),
+                setattr(c.cache_config, "kv_cache_dtype_skip_layers", ["0"]),
+            ),
+            "Unset kv_cache_dtype_skip_layers",
+        ),
     ],
     ids=[
         "pipeline-parallel",
@@ -90,6 +97,7 @@ def test_unsupported_engine_options_refuse(overrides, fix):
         "tp-over-kv-heads",
         "other-quantized-cache",
         "fp8-cache-on-gpu",
+        "fp8-skip-layers",
     ],  # fmt: skip
 )
 def test_settings_the_cpu_platform_rewrites_refuse(change, fix):

@@ -11,7 +11,9 @@ float32. It is :func:`kvpress_critical.ops.ragged_attention` with block tables: 
 the blocks a paged engine (vLLM, :mod:`kvpress_critical_vllm`) already holds.
 
 The cache may hold fp8 codes (``region_*`` and ``tail_*`` in one of :data:`FP8_DTYPES`, vLLM's fp8 KV caches): an
-entry is then its code times the per-tensor ``k_scale`` (keys) or ``v_scale`` (values), read in place: the ``torch``
+entry is then its code times the per-tensor ``k_scale`` (keys) or ``v_scale`` (values; e4m3's NaN code, which
+vLLM's saturating quantizer never writes, reads as NaN in ``torch`` and as 480 times the scale in ``cpp``), read in
+place: the ``torch``
 and ``cpp`` backends read them (``cpp`` in its micro-kernels' registers, a quarter of float32's bytes), the
 ``triton`` kernel refuses them (``auto`` falls back with one warning).
 
@@ -77,6 +79,12 @@ def _check_inputs(
     dtypes = {t.dtype for t in (region_keys, region_values, tail_keys, tail_values)}
     if len(dtypes) != 1:
         raise ValueError(f"the region and tail views must share one dtype, got {sorted(map(str, dtypes))}")
+    (dtype,) = dtypes
+    if not dtype.is_floating_point:
+        raise ValueError(
+            f"the cache views hold {dtype}: pass float entries, or fp8 codes viewed as one of {FP8_DTYPES} (an fp8 "
+            "cache's bytes, e.g. vLLM's uint8 cache, .view(torch.float8_e4m3fn))"
+        )
     if tail_len.device.type == "cpu" and bool((tail_len < q_len).any()):
         raise ValueError(f"every row's tail must hold its {q_len} queries' own entries (tail_len >= q_len)")
     devices = {t.device for t in (query, region_keys, region_values, tail_keys, tail_values)}

@@ -68,9 +68,9 @@ def random_paged_layout(
     order = torch.randperm(num_blocks, generator=gen)
     cache = torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_dim, generator=gen)
     scales = {}
-    if cache_dtype is not None and cache_dtype != dtype:
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         scales = {"k_scale": 0.75, "v_scale": 1.5}  # a key is its code times k_scale, a value its code times v_scale
-        cache = cache * 3  # codes of a few units: fp8's range, with subnormals among them
+        cache = cache * 3  # codes of a few units (e4m3's subnormals, below 2^-6, among them)
     cache = cache.to(cache_dtype or dtype)
     region_table = torch.full((bsz, max(region_blocks)), -1, dtype=torch.int32)
     tail_table = torch.full((bsz, max(tail_blocks)), -1, dtype=torch.int32)
