@@ -41,6 +41,22 @@ def pool_of(blocks: int) -> int:
     return (blocks + 1) * BLOCK_SIZE * TOKEN_BYTES
 
 
+def cpu_attention_impl(monkeypatch, dtype, cache_dtype: str, num_kv_heads: int, head_size: int, group: int = 2):
+    """vLLM's ``CPU_ATTN`` implementation of one layer, built outside an engine (it reads the engine's model dtype when
+    built, for encoder attention: given here)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends import cpu_attn
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    engine = SimpleNamespace(model_config=SimpleNamespace(dtype=dtype))
+    monkeypatch.setattr(cpu_attn, "get_current_vllm_config", lambda: engine)
+    return CPUAttentionBackendImpl(
+        num_heads=group * num_kv_heads, head_size=head_size, scale=head_size**-0.5, num_kv_heads=num_kv_heads,
+        alibi_slopes=None, sliding_window=None, kv_cache_dtype=cache_dtype,
+    )  # fmt: skip
+
+
 def fp8_on_this_cpu() -> str | None:
     """None where vLLM's CPU attention stores fp8 KV caches on this machine, else why not (its tests then skip)."""
     import torch

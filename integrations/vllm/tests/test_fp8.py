@@ -11,7 +11,7 @@ holds four times its blocks.
 
 import pytest
 import torch
-from conftest import ENGINES, fp8_on_this_cpu, pool_of, scheduler_of
+from conftest import ENGINES, fp8_on_this_cpu, pool_of, results_of, scheduler_of
 from reference import (
     fp8_cache,
     greedy_after_eviction,
@@ -75,10 +75,6 @@ def check(result, margins) -> None:
     assert max(steps) <= NEAR_TIE and len(off) <= max(1, len(steps) // 10), (result.row.name, off)
 
 
-def of_kind(batch, kind):
-    return [result for result in batch.values() if result.row.kind == kind]
-
-
 def test_the_pool_holds_four_times_the_blocks_in_the_same_bytes(fp8_engine):
     scheduler = scheduler_of(fp8_engine)
     assert ENGINES["fp8"]["kv_cache_memory_bytes"] == pool_of(320)
@@ -90,7 +86,7 @@ def test_the_pool_holds_four_times_the_blocks_in_the_same_bytes(fp8_engine):
 
 @pytest.mark.parametrize("kind", ["uniform", "uncompressed"])
 def test_greedy_output_equals_transformers_over_the_same_fp8_entries(fp8_batch, margins, kind):
-    for result in of_kind(fp8_batch, kind):
+    for result in results_of(fp8_batch, kind):
         if kind == "uniform":
             n, ratio = len(result.prompt), result.row.options.get("compression_ratio", 0.5)
             expected = n - (n - int(n * (1 - ratio))) // BLOCK_SIZE * BLOCK_SIZE
@@ -99,7 +95,7 @@ def test_greedy_output_equals_transformers_over_the_same_fp8_entries(fp8_batch, 
 
 
 def test_head_wise_output_equals_transformers_masking_the_same_fp8_entries(fp8_batch, margins):
-    results = of_kind(fp8_batch, "head_wise")
+    results = results_of(fp8_batch, "head_wise")
     assert len(results) == 2
     for result in results:
         counts = {len(head) for heads in result.kept.values() for head in heads}
@@ -109,7 +105,7 @@ def test_head_wise_output_equals_transformers_masking_the_same_fp8_entries(fp8_b
 
 @pytest.mark.parametrize("kind", ["chunked", "decoding"])
 def test_compactions_replayed_over_fp8_entries_give_the_same_tokens(fp8_batch, margins, kind):
-    (result,) = of_kind(fp8_batch, kind)
+    (result,) = results_of(fp8_batch, kind)
     assert len(result.stages) > 1  # several compactions: after each chunk, or while decoding
     check(result, margins)
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import fp8_on_this_cpu
+from conftest import cpu_attention_impl, fp8_on_this_cpu
 from kvpress_critical_vllm.kv_codes import FP8_FORMATS, KVCodes
 from kvpress_critical_vllm.layouts import LearnedBlockLayout, check_round_trip
 from kvpress_critical_vllm.options import CompressionOptions
@@ -18,18 +18,6 @@ FORMATS = ["fp8", "fp8_e4m3", "fp8_e5m2"]
 
 
 needs_fp8_cpu = pytest.mark.skipif(fp8_on_this_cpu() is not None, reason=str(fp8_on_this_cpu()))
-
-
-def cpu_impl(monkeypatch, dtype, cache_dtype, num_kv_heads, head_size, group=2):
-    from vllm.v1.attention.backends import cpu_attn
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
-    engine = SimpleNamespace(model_config=SimpleNamespace(dtype=dtype))
-    monkeypatch.setattr(cpu_attn, "get_current_vllm_config", lambda: engine)
-    return CPUAttentionBackendImpl(
-        num_heads=group * num_kv_heads, head_size=head_size, scale=head_size**-0.5, num_kv_heads=num_kv_heads,
-        alibi_slopes=None, sliding_window=None, kv_cache_dtype=cache_dtype,
-    )  # fmt: skip
 
 
 def cpu_layer(dtype, block_size, head_size, cache_dtype, k_scale=1.0, v_scale=1.0):
@@ -46,7 +34,7 @@ def test_cpu_attention_stores_codes_rounded_toward_zero(monkeypatch, dtype, cach
     """The tests' quantizer (``reference.fp8_codes``) is vLLM's, code for code, over magnitudes from subnormal to
     saturated and scales above and below 1: the transformers reference then attends over what the engine holds."""
     block_size, head_size, num_kv_heads = 32, 64, 2
-    impl = cpu_impl(monkeypatch, dtype, cache_dtype, num_kv_heads, head_size)
+    impl = cpu_attention_impl(monkeypatch, dtype, cache_dtype, num_kv_heads, head_size)
     for k_scale, v_scale in ((1.0, 1.0), (0.37, 3.0)):
         layer = cpu_layer(dtype, block_size, head_size, cache_dtype, k_scale, v_scale)
         kv_cache = torch.zeros(4, num_kv_heads, block_size, 2 * head_size, dtype=torch.uint8)
@@ -71,7 +59,7 @@ def test_the_learned_layout_reads_fp8_codes_whatever_the_scales(monkeypatch, cac
     """The probe writes through the backend with the layer's scales seen as 1.0 (small integers stay exact in fp8);
     the round trip checks reads within the format's rounding and the plugin's writes byte for byte."""
     dtype = torch.bfloat16
-    impl = cpu_impl(monkeypatch, dtype, cache_dtype, num_kv_heads, head_size)
+    impl = cpu_attention_impl(monkeypatch, dtype, cache_dtype, num_kv_heads, head_size)
     layer = cpu_layer(dtype, block_size, head_size, cache_dtype, k_scale=0.5, v_scale=2.0)
     codes = KVCodes(cache_dtype, 0.5, 2.0)
     kv_cache = torch.zeros(3, num_kv_heads, block_size, 2 * head_size, dtype=torch.uint8)
@@ -100,7 +88,7 @@ def test_a_compaction_scores_the_dequantized_entries_and_moves_their_codes(monke
 
     dtype, block_size, head_size, num_kv_heads, group, n_prompt = torch.float32, 32, 64, 2, 3, 200
     k_scale, v_scale = 0.5, 1.25
-    impl = cpu_impl(monkeypatch, dtype, cache_dtype, num_kv_heads, head_size, group)
+    impl = cpu_attention_impl(monkeypatch, dtype, cache_dtype, num_kv_heads, head_size, group)
     layer = cpu_layer(dtype, block_size, head_size, cache_dtype, k_scale, v_scale)
     codes = KVCodes(cache_dtype, k_scale, v_scale)
     num_blocks = 12

@@ -11,7 +11,15 @@ blocks of uncompressed requests, never a block a compaction rewrote.
 """
 
 import pytest
-from conftest import HYBRID_WINDOW, hybrid_layer_types, hybrid_smollm2, scheduler_of, serve, shared_engine
+from conftest import (
+    HYBRID_WINDOW,
+    hybrid_layer_types,
+    hybrid_smollm2,
+    results_of,
+    scheduler_of,
+    serve,
+    shared_engine,
+)
 from reference import greedy_after_eviction, greedy_with_compactions, greedy_with_head_masks, load_reference_model
 from workload import BLOCK_SIZE
 
@@ -28,10 +36,6 @@ def hybrid_reference():
     return load_reference_model(hybrid_smollm2()[1])
 
 
-def of_kind(batch, kind):
-    return [result for result in batch.values() if result.row.kind == kind]
-
-
 def test_the_engine_compresses_one_group_of_the_three(hybrid_engine):
     scheduler = scheduler_of(hybrid_engine)
     groups = scheduler.kv_cache_config.kv_cache_groups
@@ -46,7 +50,7 @@ def test_only_the_full_attention_layers_keep_a_selection(hybrid_batch):
             assert result.kept is None
             continue
         assert set(result.kept) == FULL, result.row.name
-    for result in of_kind(hybrid_batch, "uniform"):
+    for result in results_of(hybrid_batch, "uniform"):
         n, ratio = len(result.prompt), result.row.options.get("compression_ratio", 0.5)
         expected = n - (n - int(n * (1 - ratio))) // BLOCK_SIZE * BLOCK_SIZE
         assert {len(heads[0]) for heads in result.kept.values()} == {expected}, result.row.name
@@ -56,20 +60,20 @@ def test_only_the_full_attention_layers_keep_a_selection(hybrid_batch):
 def test_greedy_output_equals_transformers_keeping_the_same_full_attention_entries(
     hybrid_batch, hybrid_reference, kind
 ):
-    for result in of_kind(hybrid_batch, kind):
+    for result in results_of(hybrid_batch, kind):
         expected = greedy_after_eviction(hybrid_reference, result.prompt, result.kept, result.row.max_tokens)
         assert result.tokens == expected, result.row.name
 
 
 def test_head_wise_output_equals_transformers_masking_the_same_entries(hybrid_batch, hybrid_reference):
-    (result,) = of_kind(hybrid_batch, "head_wise")
+    (result,) = results_of(hybrid_batch, "head_wise")
     expected = greedy_with_head_masks(hybrid_reference, result.prompt, result.kept, result.row.max_tokens)
     assert result.tokens == expected
 
 
 @pytest.mark.parametrize("kind", ["chunked", "decoding"])
 def test_compactions_replayed_in_transformers_give_the_same_tokens(hybrid_batch, hybrid_reference, kind):
-    (result,) = of_kind(hybrid_batch, kind)
+    (result,) = results_of(hybrid_batch, kind)
     assert len(result.stages) > 1  # several compactions: after each chunk, or while decoding
     assert all(set(stage["kept"]) == FULL for stage in result.stages)
     expected = greedy_with_compactions(hybrid_reference, result.prompt, result.stages, result.row.max_tokens)

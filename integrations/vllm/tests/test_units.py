@@ -351,16 +351,9 @@ def test_shifted_view_starts_each_row_after_its_evicted_blocks():
 def test_the_learned_layout_reads_what_cpu_attention_writes(
     monkeypatch, dtype, isa, block_size, head_size, num_kv_heads
 ):
-    from vllm.v1.attention.backends import cpu_attn
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from conftest import cpu_attention_impl
 
-    # the implementation reads the engine's model dtype when built (for encoder attention)
-    engine = SimpleNamespace(model_config=SimpleNamespace(dtype=dtype))
-    monkeypatch.setattr(cpu_attn, "get_current_vllm_config", lambda: engine)
-    impl = CPUAttentionBackendImpl(
-        num_heads=2 * num_kv_heads, head_size=head_size, scale=head_size**-0.5, num_kv_heads=num_kv_heads,
-        alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto",
-    )  # fmt: skip
+    impl = cpu_attention_impl(monkeypatch, dtype, "auto", num_kv_heads, head_size)
     layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
     kv_cache = torch.zeros(6, num_kv_heads, block_size, 2 * head_size, dtype=dtype)
     layout = LearnedBlockLayout.probe(impl, layer, kv_cache)
