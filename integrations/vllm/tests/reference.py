@@ -48,12 +48,33 @@ def _next_token(logits: torch.Tensor) -> int:
 def teacher_forced(tokens: list[int]):
     """Within it, the greedy functions below follow ``tokens`` (an engine's answer) instead of their own argmax and
     yield, per step, the reference's best logit minus the logit of the token followed (0.0 where the engine chose the
-    reference's greedy token): every step of an answer is checked, not only those before a first near-tie flips."""
+    reference's greedy token): every step of an answer is checked, not only those before a first near-tie flips. The
+    tokens followed being known, the functions run those between two compactions in one forward (:func:`_generate`)."""
     _FORCED.update(tokens=list(tokens), margins=[])
     try:
         yield _FORCED["margins"]
     finally:
         _FORCED.clear()
+
+
+def margins_along(tokens: list[int], greedy, *args) -> list[float]:
+    """Per step of ``tokens`` (an engine's answer), how far the reference ``greedy(*args, len(tokens))`` (one of the
+    greedy functions below) puts the engine's token below its best one, the reference following the engine's tokens:
+    all 0.0 exactly when the reference's own greedy answer is ``tokens``."""
+    with teacher_forced(tokens) as margins:
+        greedy(*args, len(tokens))
+    return list(margins)
+
+
+def greedy_mismatches(tokens: list[int], greedy, *args, max_new_tokens: int) -> list:
+    """What stops ``tokens`` from being the greedy answer of ``max_new_tokens`` tokens of the reference
+    ``greedy(*args, max_new_tokens)``: ``[(step, logit margin), ...]`` for each step at which the reference prefers
+    another token (a wrong length first, as ``("length", len(tokens))``); empty when they are the same answer. Checked
+    step by step with the reference following ``tokens`` (:func:`margins_along`): the same verdict as generating
+    freely and comparing, at the cost of one forward over the answer."""
+    if len(tokens) != max_new_tokens:
+        return [("length", len(tokens))]
+    return [(step, round(margin, 4)) for step, margin in enumerate(margins_along(tokens, greedy, *args)) if margin > 0]
 
 
 def load_reference_model(path, dtype=torch.float32):
@@ -112,23 +133,50 @@ def layer_index(layer_name: str) -> int:
     return int(parts[parts.index("layers") + 1])
 
 
+def _forward(model, cache, tokens: list[int], first: int):
+    """``tokens`` at positions ``first ..`` appended after what ``cache`` holds (which may be fewer entries than
+    positions), causally among themselves."""
+    cached = cache.get_seq_length()
+    return model(
+        input_ids=torch.tensor([tokens]),
+        past_key_values=cache,
+        position_ids=torch.arange(first, first + len(tokens))[None],
+        cache_position=torch.arange(cached, cached + len(tokens)),
+        attention_mask=attention_masks(model, cache, first, len(tokens)),
+        use_cache=True,
+    )
+
+
+def _generate(model, cache, logits: torch.Tensor, n_prompt: int, max_new_tokens: int, compact=None, seen=()):
+    """
+    Greedy tokens from the prompt's last ``logits`` on, the token at position ``p`` appended after what ``cache``
+    holds; ``compact(p)`` runs once the tokens before position ``p`` are in the cache, for each ``p`` in ``seen``.
+    Free-running, one token a step. Teacher-forced (:func:`teacher_forced`), the tokens followed are known: those
+    between two compactions run in one forward, whose every row gives one step's logits (the same greedy choices,
+    computed causally at once; a long answer's reference costs a prefill instead of a step per token).
+    """
+    tokens = [_next_token(logits[0, -1])]
+    position, end = n_prompt, n_prompt + max_new_tokens - 1  # the next input's position; the last one's, plus one
+    while position < end:
+        if "tokens" in _FORCED:
+            stop = min([p for p in seen if position < p < end] + [end])
+            out = _forward(model, cache, _FORCED["tokens"][position - n_prompt : stop - n_prompt], position)
+            tokens += [_next_token(row) for row in out.logits[0]]
+        else:
+            stop = position + 1
+            out = _forward(model, cache, tokens[-1:], position)
+            tokens.append(_next_token(out.logits[0, -1]))
+        position = stop
+        if position in seen:
+            compact(position)
+    return tokens
+
+
 @torch.no_grad()
 def greedy_decode(model, cache, logits: torch.Tensor, n_prompt: int, max_new_tokens: int) -> list[int]:
     """Greedy tokens from the prompt's last ``logits`` on, each new token at position ``n_prompt + step`` and appended
     after what ``cache`` holds (which may be fewer entries than positions)."""
-    tokens = [_next_token(logits[0, -1])]
-    for step in range(max_new_tokens - 1):
-        cached = cache.get_seq_length()
-        out = model(
-            input_ids=torch.tensor([[tokens[-1]]]),
-            past_key_values=cache,
-            position_ids=torch.tensor([[n_prompt + step]]),
-            cache_position=torch.tensor([cached]),
-            attention_mask=attention_masks(model, cache, n_prompt + step, 1),
-            use_cache=True,
-        )
-        tokens.append(_next_token(out.logits[0, -1]))
-    return tokens
+    return _generate(model, cache, logits, n_prompt, max_new_tokens)
 
 
 @torch.no_grad()
@@ -163,17 +211,6 @@ def greedy_with_compactions(model, prompt_ids: list[int], stages: list[dict], ma
     by_seen = {stage["seen"]: stage["kept"] for stage in stages}
     done = 0  # tokens seen at the last compaction
 
-    def run(tokens: list[int], first: int):
-        cached = cache.get_seq_length()
-        return model(
-            input_ids=torch.tensor([tokens]),
-            past_key_values=cache,
-            position_ids=torch.arange(first, first + len(tokens))[None],
-            cache_position=torch.arange(cached, cached + len(tokens)),
-            attention_mask=attention_masks(model, cache, first, len(tokens)),
-            use_cache=True,
-        )
-
     def compact(seen: int) -> None:
         nonlocal done
         for name, heads in by_seen[seen].items():
@@ -182,7 +219,7 @@ def greedy_with_compactions(model, prompt_ids: list[int], stages: list[dict], ma
             fresh = torch.arange(done, seen).expand(len(heads), -1)
             positions = fresh if index not in held else torch.cat([held[index], fresh], dim=1)
             kept = torch.tensor(heads)  # (H_kv, kept), ascending
-            rows = torch.searchsorted(positions, kept)
+            rows = torch.searchsorted(positions.contiguous(), kept)
             assert bool((positions.gather(1, rows.clamp(max=positions.shape[1] - 1)) == kept).all()), (
                 "a kept position the cache does not hold"
             )
@@ -195,17 +232,11 @@ def greedy_with_compactions(model, prompt_ids: list[int], stages: list[dict], ma
     n_prompt = len(prompt_ids)
     out = None
     for seen in sorted(s for s in by_seen if s <= n_prompt):
-        out = run(prompt_ids[done:seen], done)
+        out = _forward(model, cache, prompt_ids[done:seen], done)
         compact(seen)
     if done < n_prompt:
-        out = run(prompt_ids[done:], done)
-    tokens = [_next_token(out.logits[0, -1])]
-    for position in range(n_prompt, n_prompt + max_new_tokens - 1):
-        out = run(tokens[-1:], position)
-        tokens.append(_next_token(out.logits[0, -1]))
-        if position + 1 in by_seen:
-            compact(position + 1)
-    return tokens
+        out = _forward(model, cache, prompt_ids[done:], done)
+    return _generate(model, cache, out.logits, n_prompt, max_new_tokens, compact, set(by_seen))
 
 
 _DROPPED: dict[int, torch.Tensor] = {}  # layer index -> (H_kv, N) bool: the prompt entries a KV head dropped
@@ -253,7 +284,6 @@ def greedy_with_head_masks(model, prompt_ids: list[int], kept: dict[str, list[li
     n_prompt = len(prompt_ids)
     cache = new_cache(model)
     out = model(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True)
-    tokens = [_next_token(out.logits[0, -1])]
     _DROPPED.clear()
     for name, heads in kept.items():
         dropped = torch.ones(len(heads), n_prompt, dtype=torch.bool)
@@ -263,16 +293,10 @@ def greedy_with_head_masks(model, prompt_ids: list[int], kept: dict[str, list[li
     previous = model.config._attn_implementation
     model.set_attn_implementation("kvpress_critical_masked")
     try:
-        for step in range(max_new_tokens - 1):
-            masks = attention_masks(model, cache, n_prompt + step, 1)
-            out = model(
-                input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, attention_mask=masks, use_cache=True
-            )
-            tokens.append(_next_token(out.logits[0, -1]))
+        return _generate(model, cache, out.logits, n_prompt, max_new_tokens)
     finally:
         model.set_attn_implementation(previous)
         _DROPPED.clear()
-    return tokens
 
 
 @contextmanager
