@@ -125,6 +125,8 @@ def main(argv=None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data = generate_quality_dataset(tokenizer, context_length=args.context_length, n_contexts=args.contexts)
+    if args.quick:  # two questions of each context: every configuration still runs, with its bootstrap over contexts
+        data = data.groupby("context_id", sort=False).head(2).reset_index(drop=True)
     texts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": f"{row.context}\n\n{row.question}"}],

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 def script_job(tmp_path_factory, name: str, *args: str) -> background.Job:
     folder = tmp_path_factory.mktemp(name)
     # every core: niced, the job takes what the in-process tests leave; once they end, both cores (as
-    # `make bench-vllm` runs it: 119 s instead of 182 s for the quality job alone on the 2-core machine)
+    # `make bench-vllm` runs it: the quality job alone on the 2-core machine 119 s with two threads, 182 s with one)
     env = dict(os.environ, KVPRESS_CRITICAL_VLLM_MODEL=model_path(), OMP_NUM_THREADS=str(os.cpu_count()))
     command = [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), *args, "--out-dir", str(folder)]
     return background.Job(command, cwd=folder, env=env, timeout=1800)  # niced: it may wait long for an idle core
