@@ -73,7 +73,7 @@ def configs() -> dict:
 
 def make_model(name: str, folder: Path, tokenizer_from: Path) -> str:
     """Save the tiny model ``name`` of :func:`configs` in ``folder`` (float32 weights, seeded), with the tokenizer of
-    ``tokenizer_from``; its path."""
+    ``tokenizer_from`` and its chat template; its path."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -88,6 +88,7 @@ def make_model(name: str, folder: Path, tokenizer_from: Path) -> str:
                 param.mul_(4.0)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / file).write_bytes((tokenizer_from / file).read_bytes())
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_from / file).is_file():  # the template: a file of its own since transformers 5
+            (folder / file).write_bytes((tokenizer_from / file).read_bytes())
     return str(folder)

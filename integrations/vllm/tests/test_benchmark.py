@@ -1,11 +1,16 @@
-"""The plugin's benchmarks run end to end (tiny sizes) and write their tables (background jobs: tests/background.py)."""
+"""The plugin's benchmarks run end to end (tiny sizes) and write their tables (background jobs: tests/background.py).
+
+Their ``--quick`` runs check the scripts' logic, not their numbers: they serve the session's tiny Llama (two layers of
+random weights, SmolLM2's tokenizer and chat template), not SmolLM2 (measured alone on the 2-core EPYC: the serving
+script 22 CPU-s instead of 121, the quality script 18 instead of 85). What the presses keep on the trained model is
+checked entry for entry by the exactness tests; ``make bench-vllm`` and ``make bench-vllm-quality`` measure it."""
 
 import os
 import sys
 
 import background
 import pytest
-from conftest import REPO, fp8_on_this_cpu, model_path
+from conftest import REPO, fp8_on_this_cpu, tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -13,8 +18,9 @@ pytestmark = pytest.mark.slow
 def script_job(tmp_path_factory, name: str, *args: str) -> background.Job:
     folder = tmp_path_factory.mktemp(name)
     # every core: niced, the job takes what the in-process tests leave; once they end, both cores (as
-    # `make bench-vllm` runs it: the quality job alone on the 2-core machine 119 s with two threads, 182 s with one)
-    env = dict(os.environ, KVPRESS_CRITICAL_VLLM_MODEL=model_path(), OMP_NUM_THREADS=str(os.cpu_count()))
+    # `make bench-vllm` runs it)
+    model = tiny_llama(tmp_path_factory)
+    env = dict(os.environ, KVPRESS_CRITICAL_VLLM_MODEL=model, OMP_NUM_THREADS=str(os.cpu_count()))
     command = [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), *args, "--out-dir", str(folder)]
     return background.Job(command, cwd=folder, env=env, timeout=1800)  # niced: it may wait long for an idle core
 
