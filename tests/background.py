@@ -40,6 +40,7 @@ class Job:
     env: dict = field(default_factory=lambda: dict(os.environ))
     folder: Path | None = None
     timeout: float = 1800
+    nice: int = 19  # the job's priority (19, the lowest: it takes the cores the tests leave idle; see _niced)
     returncode: int | None = None
     seconds: float = 0.0
     cpu_seconds: float = 0.0  # user and system time of the job and of the children it waited for
@@ -81,16 +82,18 @@ def _queue() -> list[str]:
     return sorted(_DECLARED, key=lambda name: (_ORDER[name], list(_DECLARED).index(name)))
 
 
-def _lowest() -> None:
-    """The job's process at the lowest priority: it takes the cores the tests leave idle and slows them little (the
-    tests' engines spin on their cores; two of them at one priority share two cores badly).
+def _niced(increment: int) -> Callable[[], None]:
+    """The job's process niced by ``increment`` (19 by default, the lowest priority: it takes the cores the tests
+    leave idle and slows them little; the tests' engines spin on their cores, and two of them at one priority share
+    two cores badly). A job that is one long chain of steps on one core (the plugin's first run) gets 10: the idle
+    cycles go to it before the other jobs, which can still use both cores once the in-process tests end.
 
     The job stays in the test session's Linux session: with autogroup scheduling (``kernel.sched_autogroup_enabled``,
     the default of most distributions) every session is a scheduling group of its own, groups share the cores
     equally and a nice value only orders the processes of its group, so a niced job in a session of its own took a
     whole core from the 2-thread test process (whose OpenMP threads then waited for each other: its tests ran 5 to 10
     times slower)."""
-    os.nice(19)
+    return lambda: os.nice(increment)
 
 
 def _run(jobs: list[tuple[str, Job]]) -> None:
@@ -102,7 +105,7 @@ def _run(jobs: list[tuple[str, Job]]) -> None:
             continue
         try:
             with open(current.folder / "stdout.log", "w") as out, open(current.folder / "stderr.log", "w") as err:
-                # a process group of its own (in the session: see _lowest): the job and everything it starts are
+                # a process group of its own (in the session: see _niced): the job and everything it starts are
                 # stopped together
                 # OpenMP threads of a niced job sleep while they wait for each other instead of spinning: starved of
                 # a core, a spinning thread burns the share its process gets (the same threads, the same results)
@@ -113,7 +116,7 @@ def _run(jobs: list[tuple[str, Job]]) -> None:
                     env=env,
                     stdout=out,
                     stderr=err,
-                    preexec_fn=_lowest,
+                    preexec_fn=_niced(current.nice),
                     process_group=0,
                 )
                 if not _wait(process, current):

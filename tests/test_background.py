@@ -5,30 +5,34 @@ import sys
 import time
 
 import background
+import pytest
 
 
-def _start(tmp_path_factory, name: str, code: str) -> background.Jobs:
+def _start(tmp_path_factory, name: str, code: str, **job) -> background.Jobs:
     background.job(name, lane=name)(
-        lambda factory: background.Job([sys.executable, "-c", code], cwd=factory.getbasetemp())
+        lambda factory: background.Job([sys.executable, "-c", code], cwd=factory.getbasetemp(), **job)
     )
     jobs = background.Jobs()
     jobs.start([name], tmp_path_factory)
     return jobs
 
 
-def test_a_job_runs_niced_in_the_tests_session_and_its_own_process_group(tmp_path_factory):
-    """In another session (its own autogroup) the nice value would not count against the tests' processes."""
+@pytest.mark.parametrize("nice", [None, 10])
+def test_a_job_runs_niced_in_the_tests_session_and_its_own_process_group(tmp_path_factory, nice):
+    """In another session (its own autogroup) the nice value would not count against the tests' processes; a job is
+    niced by 19 unless it says otherwise."""
     jobs = _start(
-        tmp_path_factory, "probe-priority", "import os; print(os.getsid(0), os.getpgid(0), os.getpid(), os.nice(0))"
-    )
+        tmp_path_factory, "probe-priority", "import os; print(os.getsid(0), os.getpgid(0), os.getpid(), os.nice(0))",
+        **({} if nice is None else {"nice": nice}),
+    )  # fmt: skip
     try:
         job = jobs.finished("probe-priority")
     finally:
         jobs.stop()
         background._DECLARED.pop("probe-priority")
     assert job.returncode == 0, job.output()
-    session, group, pid, nice = map(int, job.stdout.split())
-    assert session == os.getsid(0) and group == pid and nice == min(19, os.nice(0) + 19)
+    session, group, pid, niced = map(int, job.stdout.split())
+    assert session == os.getsid(0) and group == pid and niced == min(19, os.nice(0) + (nice or 19))
     assert job.folder is not None and "probe-priority" in "\n".join(jobs.summary())
 
 

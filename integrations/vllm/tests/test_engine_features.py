@@ -86,7 +86,8 @@ def engine_job(name: str, async_scheduling: bool, prompts, requests, ids) -> dic
                 async_scheduling=async_scheduling)  # fmt: skip
 
 
-@background.job("async-scheduling")
+# a lane of its own: behind the first run (niced, it waits long for a core) it ended 109 s after the in-process tests
+@background.job("async-scheduling", lane="async")
 def async_scheduling_job(tmp_path_factory) -> background.Job:
     """One engine process, three configurations in turn: the default engine's (a request of every kind of the mixed
     batch), the bounded engine's (longer than the pool), then the hybrid engine's (its batch: every schedule on a
