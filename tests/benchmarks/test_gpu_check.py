@@ -32,8 +32,7 @@ def test_wheel_set(wheels):
     assert sum(p.stat().st_size for p in wheels.glob("*.whl")) < 40 * 2**20
 
 
-# a lane of its own: after the smoke sweep in one lane, then the quality sweep, the three took 382 s of a 394 s session
-@background.job("gpu-check-dry-run", lane="gpu-check")
+@background.job("gpu-check-dry-run", order=1)
 def dry_run_job(tmp_path_factory) -> background.Job:
     results = tmp_path_factory.mktemp("gpu-check") / "out"
     env = dict(os.environ, DRY_RUN="1", PY=sys.executable, WHEELS=str(ROOT / ".whl"), BUDGET_S="600")

@@ -19,7 +19,7 @@ def script_job(tmp_path_factory, name: str, *args: str) -> background.Job:
     folder = tmp_path_factory.mktemp(name)
     # every core: niced, the job takes what the in-process tests leave; once they end, both cores (as
     # `make bench-vllm` runs it)
-    model = tiny_llama(tmp_path_factory)
+    model = tiny_llama()
     env = dict(os.environ, KVPRESS_CRITICAL_VLLM_MODEL=model, OMP_NUM_THREADS=str(os.cpu_count()))
     command = [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), *args, "--out-dir", str(folder)]
     return background.Job(command, cwd=folder, env=env, timeout=1800)  # niced: it may wait long for an idle core

@@ -170,7 +170,7 @@ def tp_prompts(ids: list[int]) -> list[list[int]]:
 # the async-scheduling engine 727 s, the scripts 675 s, so the tensor-parallel job after either left one core idle)
 @background.job("tensor-parallel", lane="bench")
 def tensor_parallel_job(tmp_path_factory) -> background.Job:
-    engine = engine_kwargs(model=tiny_llama(tmp_path_factory), kv_cache_memory_bytes=TP_POOL, tensor_parallel_size=2)
+    engine = engine_kwargs(model=tiny_llama(), kv_cache_memory_bytes=TP_POOL, tensor_parallel_size=2)
     return engine_process_job(
         tmp_path_factory.mktemp("tensor-parallel"), engine=engine, plugin=TP_PLUGIN, prompts=tp_prompts(token_ids()),
         requests=TP_REQUESTS, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per rank
@@ -186,7 +186,7 @@ def test_tensor_parallel_ranks_select_their_own_heads(prompt_ids, tmp_path_facto
     from engine_process import serve_job
 
     job = dict(plugin=TP_PLUGIN, prompts=tp_prompts(prompt_ids), requests=TP_REQUESTS)
-    one = serve_job(make_llm(TP_PLUGIN, model=tiny_llama(tmp_path_factory), kv_cache_memory_bytes=TP_POOL), job)
+    one = serve_job(make_llm(TP_PLUGIN, model=tiny_llama(), kv_cache_memory_bytes=TP_POOL), job)
     two = result_of(background_job)
     assert one["compacted"][0] >= 3 + 1 and two["compacted"] == one["compacted"] * 2 and two["tracked"] == [0, 0]
     for prompt in range(len(TP_REQUESTS)):
