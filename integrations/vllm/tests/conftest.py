@@ -111,7 +111,9 @@ ENGINES = {
     "small_pool": dict(
         plugin=ENGINE_OPTIONS, model=lambda: tiny_llama(), kv_cache_memory_bytes=pool_of(64, TINY_TOKEN_BYTES)
     ),
-    # longer than the pool: max_model_len 2048 in 16 blocks, every request bounded by the engine's schedules
+    # longer than the pool: max_model_len 2048 in 16 blocks, every request bounded by the engine's schedules. On the
+    # tiny Llama, as its reference "tiny" (below): its tests compare the answers of requests served in different
+    # pools, preempted or not, failing or not; they took 90 s of SmolLM2's forwards in the plugin suite
     "bounded": dict(
         plugin={
             **ENGINE_OPTIONS,
@@ -121,8 +123,15 @@ ENGINES = {
             "target_size": 64,
             "window_size": 32,
         },
-        kv_cache_memory_bytes=pool_of(16),
+        model=lambda: tiny_llama(),
+        kv_cache_memory_bytes=pool_of(16, TINY_TOKEN_BYTES),
     ),  # fmt: skip
+    # the tiny Llama in a pool that holds every request of the bounded engine's tests at once: their reference
+    "tiny": dict(
+        plugin={**ENGINE_OPTIONS, "record_selections": True},
+        model=lambda: tiny_llama(),
+        kv_cache_memory_bytes=pool_of(160, TINY_TOKEN_BYTES),
+    ),
     # a hybrid model (SmolLM2 with two sliding-window layers beside each full-attention one): three KV-cache groups,
     # of which the plugin compresses one; no other engine serves this model. With vLLM's prefix cache on (its
     # batch's prompts share no prefix; a later request reuses a compressed one's untouched blocks)
@@ -241,6 +250,7 @@ engine = _checked_engine("default")
 chunked_prefill_engine = _checked_engine("chunked_prefill")
 small_pool_engine = _checked_engine("small_pool")
 bounded_engine = _checked_engine("bounded")
+tiny_engine = _checked_engine("tiny")
 prefix_cache_engine = _checked_engine("prefix_cache")
 hybrid_engine = _checked_engine("hybrid")
 fp8_engine = _checked_engine("fp8")

@@ -3,8 +3,8 @@ it resumes over the cache it had and gives the tokens it gives unpreempted.
 
 For each kind of request (a uniform and a head-wise press after the prompt, compression after every prompt chunk,
 compression while decoding) a few requests that together outgrow the bounded engine (16 blocks) once they
-generate: vLLM preempts the latest-admitted ones. The same requests, every kind at once, run by the default engine,
-whose pool holds them all, are the reference.
+generate: vLLM preempts the latest-admitted ones. The same requests, every kind at once, run by the tiny engine (the
+bounded engine's model, the tiny Llama, in a pool that holds them all), are the reference.
 """
 
 import pytest
@@ -46,9 +46,9 @@ def requests(prompt_ids, prefix: str, kinds) -> dict:
 
 
 def test_preempted_requests_of_every_kind_are_compacted_again_and_give_the_same_tokens(
-    engine, bounded_engine, prompt_ids
+    tiny_engine, bounded_engine, prompt_ids
 ):
-    whole = serve(engine, requests(prompt_ids, "whole", KINDS))
+    whole = serve(tiny_engine, requests(prompt_ids, "whole", KINDS))
     assert all(r.preemptions == 0 for r in whole.records.values())
     for kind, (count, length, options) in KINDS.items():
         before = bounded_engine.collective_rpc("kvpress_critical_compacted")[0]
