@@ -547,8 +547,10 @@ def server(background_jobs):
 
 
 def make_tiny_llama(folder: Path) -> str:
-    """A two-layer Llama with 4 query and 2 KV heads (random weights, SmolLM2's tokenizer) saved in ``folder``, for
-    tensor parallelism (TP=2 needs an even number of KV heads; SmolLM2 has 3): ``architectures.py``'s ``llama``."""
+    """A two-layer Llama with 4 query and 2 KV heads (random weights, SmolLM2's tokenizer) saved in ``folder``:
+    ``architectures.py``'s ``llama``. For tensor parallelism (TP=2 needs an even number of KV heads; SmolLM2 has 3),
+    the engines whose tests count blocks or compare answers across pools (``small_pool``, ``bounded``, ``tiny``) and
+    the benchmark scripts' quick runs: a forward pass costs a small part of SmolLM2's."""
     from architectures import make_model
 
     return make_model("llama", folder, Path(model_path()))
