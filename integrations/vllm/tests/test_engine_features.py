@@ -16,7 +16,7 @@ import background
 import pytest
 from conftest import ENGINES, engine_kwargs, run_batch, serve, shared_engine, tiny_llama, token_ids
 from selections import same_entries
-from workload import ENGINE_OPTIONS, HYBRID_ROWS, ROWS, rows_of
+from workload import HYBRID_ROWS, ROWS, rows_of
 
 pytestmark = pytest.mark.slow
 
@@ -158,8 +158,9 @@ TP_REQUESTS = [
     {"options": {"compression_interval": 48, "target_size": 128, "window_size": 32}, "max_tokens": 120,
      "ignore_eos": True},
 ]  # fmt: skip
-TP_PLUGIN = {**ENGINE_OPTIONS, "record_selections": True}
-TP_POOL = 64 * 2**20
+# the TP=2 engine is the shared "tiny" engine's configuration on two ranks: that engine is the one-rank comparison
+TP_PLUGIN = ENGINES["tiny"]["plugin"]
+TP_POOL = ENGINES["tiny"]["kv_cache_memory_bytes"]
 
 
 def tp_prompts(ids: list[int]) -> list[list[int]]:
@@ -178,17 +179,18 @@ def tensor_parallel_job(tmp_path_factory) -> background.Job:
 
 
 @pytest.mark.background("tensor-parallel")
-def test_tensor_parallel_ranks_select_their_own_heads(prompt_ids, tmp_path_factory, background_job):
-    """TP=2 on two CPU processes: each rank selects its KV head with its shard of o_proj, as one rank selects it, for
-    a request compressed after its prompt, one after every prompt chunk and one while decoding (a tiny Llama: TP=2
-    needs an even number of KV heads, SmolLM2 has 3)."""
-    from conftest import make_llm
+def test_tensor_parallel_ranks_select_their_own_heads(tiny_engine, prompt_ids, background_job):
+    """TP=2 on two CPU processes: each rank selects its KV head with its shard of o_proj, as one rank (the shared tiny
+    engine) selects it, for a request compressed after its prompt, one after every prompt chunk and one while decoding
+    (a tiny Llama: TP=2 needs an even number of KV heads, SmolLM2 has 3)."""
     from engine_process import serve_job
 
     job = dict(plugin=TP_PLUGIN, prompts=tp_prompts(prompt_ids), requests=TP_REQUESTS)
-    one = serve_job(make_llm(TP_PLUGIN, model=tiny_llama(), kv_cache_memory_bytes=TP_POOL), job)
+    before = tiny_engine.collective_rpc("kvpress_critical_compacted")[0]
+    one = serve_job(tiny_engine, job)
+    compacted = one["compacted"][0] - before  # the shared engine's count includes the requests of earlier tests
     two = result_of(background_job)
-    assert one["compacted"][0] >= 3 + 1 and two["compacted"] == one["compacted"] * 2 and two["tracked"] == [0, 0]
+    assert compacted >= 3 + 1 and two["compacted"] == [compacted] * 2 and two["tracked"] == [0, 0]
     for prompt in range(len(TP_REQUESTS)):
         for layer, heads in one["selections"][0][prompt].items():
             assert [two["selections"][rank][prompt][layer][0] for rank in (0, 1)] == heads
