@@ -559,16 +559,22 @@ def make_tiny_llama(folder: Path) -> str:
 _TINY_LLAMA: dict = {}
 
 
+def session_folder(prefix: str) -> Path:
+    """A new temporary folder, removed when the session's process exits (for model folders that engine
+    configurations name before any fixture runs)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def tiny_llama() -> str:
     """The session's tiny Llama folder (:func:`make_tiny_llama`), made once."""
     if "path" not in _TINY_LLAMA:
-        import atexit
-        import shutil
-        import tempfile
-
-        folder = Path(tempfile.mkdtemp(prefix="tiny-llama-"))
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        _TINY_LLAMA["path"] = make_tiny_llama(folder / "model")
+        _TINY_LLAMA["path"] = make_tiny_llama(session_folder("tiny-llama-") / "model")
     return _TINY_LLAMA["path"]
 
 
@@ -611,13 +617,7 @@ _HYBRID: dict = {}
 def hybrid_smollm2() -> tuple[str, str]:
     """The session's hybrid SmolLM2 folders (:func:`make_hybrid_smollm2`), made once."""
     if "paths" not in _HYBRID:
-        import atexit
-        import shutil
-        import tempfile
-
-        folder = Path(tempfile.mkdtemp(prefix="hybrid-smollm2-"))
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        _HYBRID["paths"] = make_hybrid_smollm2(folder)
+        _HYBRID["paths"] = make_hybrid_smollm2(session_folder("hybrid-smollm2-"))
     return _HYBRID["paths"]
 
 
