@@ -126,7 +126,8 @@ ENGINES = {
         model=lambda: tiny_llama(),
         kv_cache_memory_bytes=pool_of(16, TINY_TOKEN_BYTES),
     ),  # fmt: skip
-    # the tiny Llama in a pool that holds every request of the bounded engine's tests at once: their reference
+    # the tiny Llama in a pool that holds every request of the bounded engine's tests at once: their reference, and
+    # the one-rank run the TP=2 engine process is compared with
     "tiny": dict(
         plugin={**ENGINE_OPTIONS, "record_selections": True},
         model=lambda: tiny_llama(),
