@@ -264,7 +264,7 @@ at::Tensor run_items(const at::Tensor& query, int64_t kv_heads, const std::vecto
     float* const qs = scratch.mutable_data_ptr<float>();
     float* const space = qs + rows * d;
     std::vector<int64_t> last(rows);
-    std::vector<char> extra;
+    thread_local std::vector<char> extra;  // kept between calls: a tail's copy, not allocated and zeroed each call
     int64_t loaded_segment = -1;
     for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {
       const Item item = items[it];
@@ -438,12 +438,47 @@ at::Tensor ragged_attention_quantized_cpu(const at::Tensor& query, const at::Ten
 // fp8 codes are read by the micro-kernels as value / 2^8 (e4m3) or value (e5m2): cpu_attention_kernel.inc
 constexpr float fp8_factor(bool e4m3) { return e4m3 ? 256.0f : 1.0f; }
 
+// A tail's entries kept in one block, slots slot0 .. slot0 + n - 1 of a KV head, copied into n rows of d elements:
+// `offsets` (d per slot) and `runs` (run[k]: the elements from k on that lie one after the other) are the first
+// slot's. Slot-major entries go run by run (one memcpy per entry when a key is contiguous); dimension-major ones
+// (`by_dims`: dimension k of consecutive slots adjacent, as in vLLM's CPU key cache) are transposed one dimension at
+// a time, E an unsigned integer of the element's size (a memcpy per element would cost more than the attention).
+template <typename E>
+void copy_by_dims(const char* block, const int64_t* offsets, int64_t n, int64_t d, char* dst) {
+  const E* b = reinterpret_cast<const E*>(block);
+  E* o = reinterpret_cast<E*>(dst);
+  for (int64_t k = 0; k < d; ++k) {  // the block read in its order (the n rows written, a few KiB, stay in L1)
+    const E* src = b + offsets[k];  // dimension k of the n slots
+    for (int64_t i = 0; i < n; ++i) o[i * d + k] = src[i];
+  }
+}
+
+inline void prefetch_span(const char* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+}
+
+void copy_tail_rows(const char* block, const int64_t* offsets, const int64_t* runs, bool by_dims, int64_t n, int64_t d,
+                    int64_t esize, char* dst) {
+  if (by_dims) {
+    switch (esize) {
+      case 4: return copy_by_dims<uint32_t>(block, offsets, n, d, dst);
+      case 2: return copy_by_dims<uint16_t>(block, offsets, n, d, dst);
+      default: return copy_by_dims<uint8_t>(block, offsets, n, d, dst);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t* o = offsets + i * d;
+    const int64_t* r = runs + i * d;
+    for (int64_t k = 0; k < d; k += r[k]) std::memcpy(dst + (i * d + k) * esize, block + o[k] * esize, r[k] * esize);
+  }
+}
+
 // paged_ragged_attention: the same attention over head-wise entries kept inside a paged cache
 // (kvpress_critical/ops/paged_ragged_attention). A segment's region entries are read in place, run by run (a run:
 // the entries of one region block, consecutive rows), through the row's region table; a row's tail is gathered
 // once per (row, KV head) into the thread's scratch through the tail's block table and element offsets (the
-// engine's own in-block order), a run of consecutive offsets per copy, then attended with its causal limits. Work
-// items and the merge are ragged_attention's.
+// engine's own in-block order), a block's entries at a time (copy_tail_rows), then attended with its causal
+// limits. Work items and the merge are ragged_attention's.
 at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor& region_keys,
                                       const at::Tensor& region_values, const at::Tensor& region_table_in,
                                       const at::Tensor& seg_start_in, const at::Tensor& seg_len_in,
@@ -526,8 +561,8 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
   }
 
   // runs of consecutive element offsets: run[(kv * block_size + slot) * d + k] elements from k on lie one after the
-  // other, so a tail entry is copied run by run (one memcpy per entry in a slot-major block, one per vector of a
-  // dimension-major one) instead of element by element
+  // other, so a slot-major tail entry is copied run by run (one memcpy per entry when it is contiguous, one per
+  // vector of a vector-blocked layout) instead of element by element
   const auto runs_of = [&](const int64_t* offsets) {
     std::vector<int64_t> run(key_offsets.numel());
     for (int64_t slot = 0; slot < kv_heads * block_size; ++slot) {
@@ -539,6 +574,32 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
     return run;
   };
   const std::vector<int64_t> key_runs = runs_of(koff), value_runs = runs_of(voff);
+  // per KV head: whether its entries are dimension-major in a block (dimension k of slot j + 1 right after slot j's,
+  // for every k and j) rather than runs along the head dimension
+  const auto by_dims_of = [&](const int64_t* offsets, const std::vector<int64_t>& runs) {
+    std::vector<char> by_dims(kv_heads, 0);
+    for (int64_t kv = 0; kv < kv_heads; ++kv) {
+      const int64_t* o = offsets + kv * block_size * d;
+      bool adjacent = block_size > 1 && runs[kv * block_size * d] < d;
+      for (int64_t j = 0; adjacent && j + 1 < block_size; ++j)
+        for (int64_t k = 0; adjacent && k < d; ++k) adjacent = o[(j + 1) * d + k] == o[j * d + k] + 1;
+      by_dims[kv] = adjacent;
+    }
+    return by_dims;
+  };
+  const std::vector<char> key_by_dims = by_dims_of(koff, key_runs), value_by_dims = by_dims_of(voff, value_runs);
+  // per KV head: the first element and the number of elements its entries span in a block (prefetched ahead)
+  const auto span_of = [&](const int64_t* offsets) {
+    std::vector<int64_t> span(2 * kv_heads);
+    for (int64_t kv = 0; kv < kv_heads; ++kv) {
+      const int64_t* o = offsets + kv * block_size * d;
+      const auto [lo, hi] = std::minmax_element(o, o + block_size * d);
+      span[2 * kv] = *lo;
+      span[2 * kv + 1] = *hi - *lo + 1;
+    }
+    return span;
+  };
+  const std::vector<int64_t> key_span = span_of(koff), value_span = span_of(voff);
 
   int64_t total = 0;
   for (int64_t s = 0; s < segments; ++s) total += lengths[s] + tails[s / kv_heads];
@@ -569,15 +630,21 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
       gathered.resize(2 * max_tail * d * esize);
       char* gk = gathered.data();
       char* gv = gk + length * d * esize;
-      for (int64_t t = 0; t < length; ++t) {
+      for (int64_t t = 0; t < length;) {  // the entries held in one block at a time
         const int64_t block = tt[b * tail_table.size(1) + t / block_size];
-        const int64_t slot = (kv * block_size + t % block_size) * d;  // this entry's offsets and runs
-        const char* kb = tk + block * tail_keys.stride(0) * esize;
-        const char* vb = tv + block * tail_values.stride(0) * esize;
-        for (int64_t k = 0; k < d; k += key_runs[slot + k])
-          std::memcpy(gk + (t * d + k) * esize, kb + koff[slot + k] * esize, key_runs[slot + k] * esize);
-        for (int64_t k = 0; k < d; k += value_runs[slot + k])
-          std::memcpy(gv + (t * d + k) * esize, vb + voff[slot + k] * esize, value_runs[slot + k] * esize);
+        const int64_t n = std::min(block_size - t % block_size, length - t);
+        if (t + n < length) {  // the next block's part for this KV head, into cache while this one is copied
+          const int64_t next = tt[b * tail_table.size(1) + (t + n) / block_size];
+          prefetch_span(tk + (next * tail_keys.stride(0) + key_span[2 * kv]) * esize, key_span[2 * kv + 1] * esize);
+          prefetch_span(tv + (next * tail_values.stride(0) + value_span[2 * kv]) * esize,
+                        value_span[2 * kv + 1] * esize);
+        }
+        const int64_t slot = (kv * block_size + t % block_size) * d;  // the first entry's offsets and runs
+        copy_tail_rows(tk + block * tail_keys.stride(0) * esize, koff + slot, key_runs.data() + slot, key_by_dims[kv],
+                       n, d, esize, gk + t * d * esize);
+        copy_tail_rows(tv + block * tail_values.stride(0) * esize, voff + slot, value_runs.data() + slot,
+                       value_by_dims[kv], n, d, esize, gv + t * d * esize);
+        t += n;
       }
       for (int64_t r = 0; r < rows; ++r) last[r] = length - q_len + r % q_len;
       attend(qs, rows, d, gk, d, gv, d, length, last, m, l, acc, space);
