@@ -178,14 +178,16 @@ def test_the_cpp_kernel_refuses_blocks_outside_the_cache(ops):
 
 
 def test_triton_kernel_compiles_for_gpus_without_spilling():
-    """The launcher's configurations in fp32 / bf16 / fp16 at head_dim 128, bf16 at 64 and 256 and a prefill chunk,
-    compiled by Triton for sm_80 / sm_90 and assembled with ``ptxas -v``: at most a few words spill."""
+    """The launcher's configurations in fp32 / bf16 / fp16 at head_dim 128, bf16 at 64 and 256, a prefill chunk,
+    bf16 over fp8 codes, compiled by Triton for sm_80 / sm_90 and assembled with ``ptxas -v``: at most a few words
+    spill."""
     from kvpress_critical.ops.triton_aot import PAGED_CASES
 
     if PAGED_RAGGED_ATTENTION["triton"].availability() is not None:
         pytest.skip(PAGED_RAGGED_ATTENTION["triton"].availability())
     rows = triton_aot_rows("--op", "paged_ragged_attention")
-    assert len(rows) == sum(len(case[-1]) for case in PAGED_CASES)
+    assert len(rows) == sum(len(case[3]) for case in PAGED_CASES)
+    assert {r["cache"] for r in rows} >= {"float8_e4m3fn", "float8_e5m2"}
     assert all(0 < r["registers"] <= 255 for r in rows)
     spilling = [r for r in rows if r["spill_stores"] > 64]
     assert not spilling, spilling
@@ -240,7 +242,25 @@ def test_cpu_backends_read_fp8_codes(backend, cache_dtype):
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=atol + rtol * 4)
 
 
-def test_fp8_codes_are_refused_by_the_triton_kernel_by_name_and_scales_by_a_float_cache():
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_triton_reads_fp8_codes(cache_dtype):
+    """The Triton kernel over fp8 codes (their bytes converted in registers), as the CPU backends: GQA 4, 7 and 1,
+    decoding and chunks, against the float64 reference over the same codes; a bfloat16 query too."""
+    backend = PAGED_RAGGED_ATTENTION["triton"]
+    if backend.availability() is not None or "cpu" not in backend.device_types():
+        pytest.skip(backend.availability() or "Triton runs on CPU tensors only under its interpreter")
+    assert backend.refusal(*[fp8_layout(4, 1, 8, cache_dtype)[n] for n in ("query", "region_keys")]) is None
+    for group, q_len, block_size, dtype in ((4, 1, 8, torch.float32), (7, 6, 32, torch.float32),
+                                            (1, 3, 16, torch.bfloat16)):  # fmt: skip
+        inputs = fp8_layout(group, q_len, block_size, cache_dtype, dtype)
+        out = paged_ragged_attention(**inputs, backend="triton")
+        rtol, atol = ATTENTION_TOLERANCE[dtype]
+        expected = paged_ragged_attention_ref(**inputs).double()
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=atol + rtol * 4)
+
+
+def test_fp8_bytes_are_refused_by_name_and_scales_by_a_float_cache():
     raw = fp8_layout(2, 1, 8, torch.float8_e4m3fn)
     for name in ("region_keys", "region_values", "tail_keys", "tail_values"):
         raw[name] = raw[name].view(torch.uint8)  # an fp8 cache's bytes, not viewed as codes
@@ -251,10 +271,6 @@ def test_fp8_codes_are_refused_by_the_triton_kernel_by_name_and_scales_by_a_floa
     assert PAGED_RAGGED_ATTENTION.resolve("auto", torch.device("cpu"), inputs["query"], inputs["region_keys"]) == (
         expected
     )
-    if "cpu" in PAGED_RAGGED_ATTENTION["triton"].device_types():
-        with pytest.raises(RuntimeError, match="float8_e4m3fn codes"):
-            paged_ragged_attention(**inputs, backend="triton")
-    assert PAGED_RAGGED_ATTENTION["triton"].refusal(inputs["query"], inputs["region_keys"]) is not None
     float_inputs = layout(1, 2, 1, 64, 8, torch.float32)
     for backend in CPU_BACKENDS:
         with pytest.raises(ValueError, match="scale fp8 codes"):

@@ -12,10 +12,9 @@ the blocks a paged engine (vLLM, :mod:`kvpress_critical_vllm`) already holds.
 
 The cache may hold fp8 codes (``region_*`` and ``tail_*`` in one of :data:`FP8_DTYPES`, vLLM's fp8 KV caches): an
 entry is then its code times the per-tensor ``k_scale`` (keys) or ``v_scale`` (values; e4m3's NaN code, which
-vLLM's saturating quantizer never writes, reads as NaN in ``torch`` and as 480 times the scale in ``cpp``), read in
-place: the ``torch``
-and ``cpp`` backends read them (``cpp`` in its micro-kernels' registers, a quarter of float32's bytes), the
-``triton`` kernel refuses them (``auto`` falls back with one warning).
+vLLM's saturating quantizer never writes, reads as NaN in ``torch`` and as 480 times the scale in ``cpp`` and
+``triton``), read in place by every backend (``cpp`` and ``triton`` convert them in registers, reading a quarter of
+float32's bytes).
 
 Backends (:data:`PAGED_RAGGED_ATTENTION`; ``auto``: CPU ``cpp`` > ``torch``, CUDA ``triton`` > ``torch``;
 ``$KVPRESS_CRITICAL_PAGED_RAGGED_ATTENTION_BACKEND`` replaces ``auto``): ``torch`` (portable: one segment gathered at
@@ -39,13 +38,6 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("triton", "torch"), "cpu": ("
 PAGED_RAGGED_ATTENTION = OpRegistry("paged_ragged_attention", AUTO_ORDER)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # codes the op reads with per-tensor scales
-
-
-def _float_entries_only(query, region_keys) -> str | None:
-    """The Triton kernel reads float entries: fp8 codes go to the ``cpp`` or ``torch`` backend."""
-    if region_keys.dtype in FP8_DTYPES:
-        return f"it reads float entries, not {region_keys.dtype} codes (the cpp and torch backends read them)"
-    return None
 
 
 def _check_inputs(
@@ -179,18 +171,16 @@ def paged_ragged_attention_cpp(*args, **scales):
     return cpp_fn(*args, **scales)
 
 
-def paged_ragged_attention_triton(*args):
+def paged_ragged_attention_triton(*args, **scales):
     """The Triton backend (imports triton on first use: :mod:`.triton_backend`)."""
     from kvpress_critical.ops.paged_ragged_attention.triton_backend import paged_ragged_attention_triton as triton_fn
 
-    return triton_fn(*args)
+    return triton_fn(*args, **scales)
 
 
 PAGED_RAGGED_ATTENTION.register(Backend("torch", paged_ragged_attention_torch, ("cpu", "cuda"), lambda: None))
 PAGED_RAGGED_ATTENTION.register(Backend("cpp", paged_ragged_attention_cpp, ("cpu",), cpp_availability))
-PAGED_RAGGED_ATTENTION.register(
-    Backend("triton", paged_ragged_attention_triton, triton_devices, triton_availability, _float_entries_only)
-)
+PAGED_RAGGED_ATTENTION.register(Backend("triton", paged_ragged_attention_triton, triton_devices, triton_availability))
 
 __all__ = [
     "AUTO_ORDER",

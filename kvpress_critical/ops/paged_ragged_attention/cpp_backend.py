@@ -2,7 +2,8 @@
 
 ``kvpress_critical::paged_ragged_attention`` runs ragged_attention's work items and micro-kernels over a paged cache:
 region entries read in place run by run through the region table, each row's tail gathered per KV head through its
-block table and element offsets, merged by log-sum-exp (the module docstring of :mod:`..paged_ragged_attention`).
+block table and element offsets a block at a time (runs of consecutive offsets copied whole, dimension-major blocks
+transposed), merged by log-sum-exp (the module docstring of :mod:`..paged_ragged_attention`).
 """
 
 import torch

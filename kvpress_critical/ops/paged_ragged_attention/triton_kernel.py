@@ -2,6 +2,11 @@
 
 Kept undecorated and jitted on first use (:func:`get_paged_kernel`), so the interpreter mode is read when it runs
 (``TRITON_INTERPRET=1``), as the other kernels of the package.
+
+fp8 caches (``CODES`` 1: e4m3fn, 2: e5m2) are read as their bytes and converted in registers through fp16's bits, as
+the C++ kernel does: an e5m2 code is the upper byte of its value's fp16; an e4m3fn code's sign, exponent and mantissa
+moved into fp16's give its value times 2^-8 exactly (normals and subnormals). The launcher folds 2^8 and the
+per-tensor scales into ``scale`` (keys) and ``v_factor`` (values, applied to the partial outputs).
 """
 
 import triton
@@ -23,7 +28,7 @@ def _paged_ragged_attention(
     tl_ptr,  # (B,) int64 tail lengths
     ko_ptr,  # (H_kv, block_size, d) int64 key offsets (contiguous)
     vo_ptr,  # (H_kv, block_size, d) int64 value offsets (contiguous)
-    o_ptr,  # (S, n_splits, rows_pad, d) float32 partial outputs
+    o_ptr,  # (S, n_splits, rows_pad, d) float32 partial outputs, times v_factor
     ml_ptr,  # (S, n_splits, rows_pad, 2) float32 partial (max, sum)
     sq_b,
     sq_h,
@@ -44,6 +49,7 @@ def _paged_ragged_attention(
     rows_per_block,
     block_size,
     scale,
+    v_factor,
     chunk,
     n_splits,
     rows_pad,
@@ -52,6 +58,7 @@ def _paged_ragged_attention(
     BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two (masked)
     COMPUTE_DTYPE: tl.constexpr,  # operand dtype of the dots (fp32 accumulation)
     INPUT_PRECISION: tl.constexpr,  # "ieee" for float32 operands
+    CODES: tl.constexpr,  # 0: float entries, 1: fp8 e4m3fn codes, 2: fp8 e5m2 codes (uint8 pointers)
 ):
     # program (segment s, split, block of rows): partial softmax attention over entries [split * chunk, ...) of the
     # segment's virtual sequence "region entries, then the row's tail"
@@ -98,6 +105,12 @@ def _paged_ragged_attention(
             rk_ptr + rblock[:, None] * srk_b + rrow[:, None] * srk_r + offs_d[None, :], mask=ctx_mask, other=0.0
         )
         kt = tl.load(tk_ptr + tblock[:, None] * stk + k_off, mask=tail_mask, other=0.0)
+        if CODES == 1:  # e4m3fn: sign, exponent and mantissa into fp16's (the value times 2^-8)
+            kc = (((kc.to(tl.uint16) & 0x80) << 8) | ((kc.to(tl.uint16) & 0x7F) << 7)).to(tl.float16, bitcast=True)
+            kt = (((kt.to(tl.uint16) & 0x80) << 8) | ((kt.to(tl.uint16) & 0x7F) << 7)).to(tl.float16, bitcast=True)
+        elif CODES == 2:  # e5m2: the upper byte of the value's fp16
+            kc = (kc.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+            kt = (kt.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
         k = tl.where(in_ctx[:, None], kc.to(COMPUTE_DTYPE), kt.to(COMPUTE_DTYPE))  # (BLOCK_N, BLOCK_D)
         scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION, out_dtype=tl.float32) * scale  # (M, N)
         visible = valid[None, :] & (in_ctx[None, :] | (tpos[None, :] <= last_visible[:, None]))
@@ -111,6 +124,12 @@ def _paged_ragged_attention(
             rv_ptr + rblock[:, None] * srv_b + rrow[:, None] * srv_r + offs_d[None, :], mask=ctx_mask, other=0.0
         )
         vt = tl.load(tv_ptr + tblock[:, None] * stv + v_off, mask=tail_mask, other=0.0)
+        if CODES == 1:
+            vc = (((vc.to(tl.uint16) & 0x80) << 8) | ((vc.to(tl.uint16) & 0x7F) << 7)).to(tl.float16, bitcast=True)
+            vt = (((vt.to(tl.uint16) & 0x80) << 8) | ((vt.to(tl.uint16) & 0x7F) << 7)).to(tl.float16, bitcast=True)
+        elif CODES == 2:
+            vc = (vc.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+            vt = (vt.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
         v = tl.where(in_ctx[:, None], vc.to(COMPUTE_DTYPE), vt.to(COMPUTE_DTYPE))
         acc = acc * alpha[:, None] + tl.dot(
             p.to(COMPUTE_DTYPE), v, input_precision=INPUT_PRECISION, out_dtype=tl.float32
@@ -120,6 +139,7 @@ def _paged_ragged_attention(
 
     base = (s * n_splits + split).to(tl.int64) * rows_pad
     out_rows = base + rows
+    acc = acc * v_factor  # the values' scale (1 for float entries)
     tl.store(o_ptr + out_rows[:, None] * head_dim + offs_d[None, :], acc, mask=row_mask[:, None] & d_mask[None, :])
     tl.store(ml_ptr + out_rows * 2, m, mask=row_mask)
     tl.store(ml_ptr + out_rows * 2 + 1, denom, mask=row_mask)
