@@ -395,6 +395,11 @@ def main(argv=None) -> int:
         for repeat in range(args.repeats):
             for name, llm, ratio in configs:
                 measured[name].append(run(llm, conversations, ratio, f"{repeat}-{name}", lone))
+                got = measured[name][-1]  # each run in the log: the table gives medians over the repeats
+                logger.info(
+                    "repeat %d, %s: peak %d, %.1f output tok/s, TPOT mean %.0f ms, TTFT mean %.1f s", repeat, name,
+                    got["peak_running"], got["output_tokens_per_s"], got["tpot_ms_mean"], got["ttft_s_mean"],
+                )  # fmt: skip
                 progress.update()
             # a hybrid model's sliding-window layers keep their windows: no goal from the ratio alone
             rows, table = summarise(measured, configs, goals=not hybrid, twins=twins, cache_gain=cache_gain)
