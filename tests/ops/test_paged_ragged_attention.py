@@ -147,6 +147,23 @@ def test_a_host_bound_of_the_longest_segment_is_checked_and_changes_nothing():
         paged_ragged_attention(**inputs, backend="torch", max_len=longest - 1)
 
 
+def test_unvalidated_calls_give_the_same_output_and_skip_only_the_python_checks():
+    """``validate=False`` (an engine's later layers of a step) gives the validated call's output; it skips the
+    wrapper's checks (a short ``max_len`` passes), while the C++ kernel still refuses a block outside the cache."""
+    inputs = layout(3, 4, 1, 64, 8, torch.float32)
+    for backend in CPU_BACKENDS:
+        expected = paged_ragged_attention(**inputs, backend=backend)
+        torch.testing.assert_close(paged_ragged_attention(**inputs, backend=backend, validate=False), expected)
+    paged_ragged_attention(**inputs, backend="torch", max_len=1, validate=False)
+    with pytest.raises(ValueError, match="max_len=1 is shorter"):
+        paged_ragged_attention(**inputs, backend="torch", max_len=1)
+    if "cpp" in CPU_BACKENDS:
+        table = inputs["region_table"].clone()
+        table[1, 0] = inputs["region_keys"].shape[0] + 5
+        with pytest.raises(RuntimeError, match="region block outside the cache"):
+            paged_ragged_attention(**{**inputs, "region_table": table}, backend="cpp", validate=False)
+
+
 def test_bad_inputs_are_refused_with_their_name():
     inputs = layout(1, 2, 1, 64, 8, torch.float32)
     with pytest.raises(ValueError, match="tail_len >= q_len"):

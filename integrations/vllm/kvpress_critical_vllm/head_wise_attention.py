@@ -54,13 +54,15 @@ class HeadWiseAttention:
             if all(request_id in report.broken for request_id in rows.request_ids):
                 continue  # failed in an earlier layer of this step
             try:
-                queries = query[rows.tokens].transpose(1, 2)  # (rows, H, q, d)
+                tokens = rows.tokens.view(-1)
+                queries = query.index_select(0, tokens).unflatten(0, rows.tokens.shape).transpose(1, 2)  # (rows,H,q,d)
                 out = paged_ragged_attention(
                     queries, region_keys, region_values, rows.region_table, rows.seg_start[index],
                     rows.seg_len[index], flat, flat, rows.tail_table, rows.tail_len, key_offsets, value_offsets,
                     layer.impl.scale, backend=self.kernel, max_len=rows.max_len[index], **scales,
+                    validate=index == 0,  # the step's inputs checked in its first layer: every layer has their shapes
                 )  # fmt: skip
-                output[rows.tokens] = out.to(output.dtype)  # (rows, q, H, d)
+                output.index_copy_(0, tokens, out.to(output.dtype).flatten(0, 1))  # out: (rows, q, H, d)
             except Exception as error:  # noqa: BLE001 - these requests end with an error, never the engine
                 logger.error(
                     "kvpress_critical: the head-wise attention failed in layer %s for requests %s: %r",

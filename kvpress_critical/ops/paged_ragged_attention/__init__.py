@@ -102,6 +102,7 @@ def paged_ragged_attention(
     max_len: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    validate: bool = True,
 ) -> torch.Tensor:
     """
     Attention of ``q`` new tokens over head-wise entries kept in a paged cache (module docstring).
@@ -138,6 +139,10 @@ def paged_ragged_attention(
         synchronisation (CPU tensors); ``None``: read from them.
     k_scale, v_scale : float
         Per-tensor scales of an fp8 cache (a key is its code times ``k_scale``); 1.0 for a float cache.
+    validate : bool
+        Check the inputs' shapes, dtypes, scales and ``max_len`` here (default). ``False`` skips these checks, for a
+        caller that passes inputs of the same shapes many times (a serving engine, every layer of a step: it checks
+        the first); the ``cpp`` kernel still checks every block a row reads against the cache.
 
     Returns
     -------
@@ -146,7 +151,18 @@ def paged_ragged_attention(
     """
     args = (query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
             tail_len, key_offsets, value_offsets)  # fmt: skip
+    if validate:
+        _check_values(args, k_scale, v_scale, max_len)
+    name = PAGED_RAGGED_ATTENTION.resolve(backend, query.device, query, region_keys)
+    if region_keys.dtype in FP8_DTYPES:
+        return PAGED_RAGGED_ATTENTION[name].fn(*args, float(scale), max_len, k_scale=k_scale, v_scale=v_scale)
+    return PAGED_RAGGED_ATTENTION[name].fn(*args, float(scale), max_len)
+
+
+def _check_values(args, k_scale, v_scale, max_len) -> None:
+    """:func:`_check_inputs`, then the scales against the cache's dtype and ``max_len`` against the lengths."""
     _check_inputs(*args)
+    region_keys, seg_len, tail_len, key_offsets = args[1], args[5], args[9], args[10]
     if region_keys.dtype not in FP8_DTYPES and (k_scale, v_scale) != (1.0, 1.0):
         raise ValueError(
             f"k_scale / v_scale ({k_scale}, {v_scale}) scale fp8 codes; this cache holds {region_keys.dtype} entries "
@@ -158,10 +174,6 @@ def paged_ragged_attention(
         )
         if max_len < longest:
             raise ValueError(f"max_len={max_len} is shorter than the longest segment and tail ({longest})")
-    name = PAGED_RAGGED_ATTENTION.resolve(backend, query.device, query, region_keys)
-    if region_keys.dtype in FP8_DTYPES:
-        return PAGED_RAGGED_ATTENTION[name].fn(*args, float(scale), max_len, k_scale=k_scale, v_scale=v_scale)
-    return PAGED_RAGGED_ATTENTION[name].fn(*args, float(scale), max_len)
 
 
 def paged_ragged_attention_cpp(*args, **scales):
