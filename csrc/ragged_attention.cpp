@@ -554,18 +554,44 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
                     "kvpress_critical: a region block outside the cache");
     }
   }
-  for (const int64_t* offsets : {koff, voff}) {
-    const auto [lo, hi] = std::minmax_element(offsets, offsets + key_offsets.numel());
-    TORCH_CHECK(*lo >= 0 && *hi < tail_keys.size(1) && *hi < tail_values.size(1),
-                "kvpress_critical: key / value offsets outside a block");
-  }
-
-  // runs of consecutive element offsets: run[(kv * block_size + slot) * d + k] elements from k on lie one after the
-  // other, so a slot-major tail entry is copied run by run (one memcpy per entry when it is contiguous, one per
-  // vector of a vector-blocked layout) instead of element by element
-  const auto runs_of = [&](const int64_t* offsets) {
+  // per KV head: the first element and the number of elements its entries span in a block (all inside a block;
+  // prefetched ahead)
+  const auto span_of = [&](const int64_t* offsets) {
+    std::vector<int64_t> span(2 * kv_heads);
+    for (int64_t kv = 0; kv < kv_heads; ++kv) {
+      const int64_t* o = offsets + kv * block_size * d;
+      const auto [lo, hi] = std::minmax_element(o, o + block_size * d);
+      TORCH_CHECK(*lo >= 0 && *hi < tail_keys.size(1) && *hi < tail_values.size(1),
+                  "kvpress_critical: key / value offsets outside a block");
+      span[2 * kv] = *lo;
+      span[2 * kv + 1] = *hi - *lo + 1;
+    }
+    return span;
+  };
+  const std::vector<int64_t> key_span = span_of(koff), value_span = span_of(voff);
+  // per KV head: whether its entries are dimension-major in a block (dimension k of slot j + 1 right after slot j's,
+  // for every k and j) rather than runs along the head dimension (a first entry not contiguous)
+  const auto by_dims_of = [&](const int64_t* offsets) {
+    std::vector<char> by_dims(kv_heads, 0);
+    for (int64_t kv = 0; kv < kv_heads; ++kv) {
+      const int64_t* o = offsets + kv * block_size * d;
+      bool contiguous = true;
+      for (int64_t k = 0; contiguous && k + 1 < d; ++k) contiguous = o[k + 1] == o[k] + 1;
+      bool adjacent = block_size > 1 && !contiguous;
+      for (int64_t j = 0; adjacent && j + 1 < block_size; ++j)
+        for (int64_t k = 0; adjacent && k < d; ++k) adjacent = o[(j + 1) * d + k] == o[j * d + k] + 1;
+      by_dims[kv] = adjacent;
+    }
+    return by_dims;
+  };
+  const std::vector<char> key_by_dims = by_dims_of(koff), value_by_dims = by_dims_of(voff);
+  // runs of consecutive element offsets (the heads not copied by dimension): run[(kv * block_size + slot) * d + k]
+  // elements from k on lie one after the other, so a slot-major tail entry is copied run by run (one memcpy per entry
+  // when it is contiguous, one per vector of a vector-blocked layout) instead of element by element
+  const auto runs_of = [&](const int64_t* offsets, const std::vector<char>& by_dims) {
     std::vector<int64_t> run(key_offsets.numel());
     for (int64_t slot = 0; slot < kv_heads * block_size; ++slot) {
+      if (by_dims[slot / block_size]) continue;
       const int64_t* o = offsets + slot * d;
       int64_t* r = run.data() + slot * d;
       r[d - 1] = 1;
@@ -573,33 +599,7 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
     }
     return run;
   };
-  const std::vector<int64_t> key_runs = runs_of(koff), value_runs = runs_of(voff);
-  // per KV head: whether its entries are dimension-major in a block (dimension k of slot j + 1 right after slot j's,
-  // for every k and j) rather than runs along the head dimension
-  const auto by_dims_of = [&](const int64_t* offsets, const std::vector<int64_t>& runs) {
-    std::vector<char> by_dims(kv_heads, 0);
-    for (int64_t kv = 0; kv < kv_heads; ++kv) {
-      const int64_t* o = offsets + kv * block_size * d;
-      bool adjacent = block_size > 1 && runs[kv * block_size * d] < d;
-      for (int64_t j = 0; adjacent && j + 1 < block_size; ++j)
-        for (int64_t k = 0; adjacent && k < d; ++k) adjacent = o[(j + 1) * d + k] == o[j * d + k] + 1;
-      by_dims[kv] = adjacent;
-    }
-    return by_dims;
-  };
-  const std::vector<char> key_by_dims = by_dims_of(koff, key_runs), value_by_dims = by_dims_of(voff, value_runs);
-  // per KV head: the first element and the number of elements its entries span in a block (prefetched ahead)
-  const auto span_of = [&](const int64_t* offsets) {
-    std::vector<int64_t> span(2 * kv_heads);
-    for (int64_t kv = 0; kv < kv_heads; ++kv) {
-      const int64_t* o = offsets + kv * block_size * d;
-      const auto [lo, hi] = std::minmax_element(o, o + block_size * d);
-      span[2 * kv] = *lo;
-      span[2 * kv + 1] = *hi - *lo + 1;
-    }
-    return span;
-  };
-  const std::vector<int64_t> key_span = span_of(koff), value_span = span_of(voff);
+  const std::vector<int64_t> key_runs = runs_of(koff, key_by_dims), value_runs = runs_of(voff, value_by_dims);
 
   int64_t total = 0;
   for (int64_t s = 0; s < segments; ++s) total += lengths[s] + tails[s / kv_heads];

@@ -192,6 +192,10 @@ def test_the_cpp_kernel_refuses_blocks_outside_the_cache(ops):
     table[0, 0] = inputs["region_keys"].shape[0] + 5
     with pytest.raises(RuntimeError, match="region block outside the cache"):
         paged_ragged_attention(**{**inputs, "region_table": table}, backend="cpp")
+    offsets = inputs["value_offsets"].clone()
+    offsets[1, 3, 5] = inputs["tail_keys"].shape[1]  # one element past the block, in the second KV head
+    with pytest.raises(RuntimeError, match="offsets outside a block"):
+        paged_ragged_attention(**{**inputs, "value_offsets": offsets}, backend="cpp")
 
 
 def test_triton_kernel_compiles_for_gpus_without_spilling():
