@@ -9,10 +9,24 @@ moved into fp16's give its value times 2^-8 exactly (normals and subnormals). Th
 per-tensor scales into ``scale`` (keys) and ``v_factor`` (values, applied to the partial outputs).
 """
 
+import types
+
 import triton
 import triton.language as tl
 
 _KERNELS: dict = {}
+
+
+def _fp8_as_half(codes, CODES: tl.constexpr):
+    """fp8 codes (uint8) as fp16 values, exactly: e4m3fn (``CODES`` 1) its value times 2^-8, e5m2 (2) its value;
+    float entries (0) as they are."""
+    if CODES == 1:  # e4m3fn: sign, exponent and mantissa moved into fp16's
+        bits = codes.to(tl.uint16)
+        return (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    elif CODES == 2:  # e5m2: the upper byte of the value's fp16
+        return (codes.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+    else:
+        return codes
 
 
 def _paged_ragged_attention(
@@ -105,12 +119,7 @@ def _paged_ragged_attention(
             rk_ptr + rblock[:, None] * srk_b + rrow[:, None] * srk_r + offs_d[None, :], mask=ctx_mask, other=0.0
         )
         kt = tl.load(tk_ptr + tblock[:, None] * stk + k_off, mask=tail_mask, other=0.0)
-        if CODES == 1:  # e4m3fn: sign, exponent and mantissa into fp16's (the value times 2^-8)
-            kc = (((kc.to(tl.uint16) & 0x80) << 8) | ((kc.to(tl.uint16) & 0x7F) << 7)).to(tl.float16, bitcast=True)
-            kt = (((kt.to(tl.uint16) & 0x80) << 8) | ((kt.to(tl.uint16) & 0x7F) << 7)).to(tl.float16, bitcast=True)
-        elif CODES == 2:  # e5m2: the upper byte of the value's fp16
-            kc = (kc.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
-            kt = (kt.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+        kc, kt = _fp8_as_half(kc, CODES), _fp8_as_half(kt, CODES)
         k = tl.where(in_ctx[:, None], kc.to(COMPUTE_DTYPE), kt.to(COMPUTE_DTYPE))  # (BLOCK_N, BLOCK_D)
         scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION, out_dtype=tl.float32) * scale  # (M, N)
         visible = valid[None, :] & (in_ctx[None, :] | (tpos[None, :] <= last_visible[:, None]))
@@ -124,12 +133,7 @@ def _paged_ragged_attention(
             rv_ptr + rblock[:, None] * srv_b + rrow[:, None] * srv_r + offs_d[None, :], mask=ctx_mask, other=0.0
         )
         vt = tl.load(tv_ptr + tblock[:, None] * stv + v_off, mask=tail_mask, other=0.0)
-        if CODES == 1:
-            vc = (((vc.to(tl.uint16) & 0x80) << 8) | ((vc.to(tl.uint16) & 0x7F) << 7)).to(tl.float16, bitcast=True)
-            vt = (((vt.to(tl.uint16) & 0x80) << 8) | ((vt.to(tl.uint16) & 0x7F) << 7)).to(tl.float16, bitcast=True)
-        elif CODES == 2:
-            vc = (vc.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
-            vt = (vt.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+        vc, vt = _fp8_as_half(vc, CODES), _fp8_as_half(vt, CODES)
         v = tl.where(in_ctx[:, None], vc.to(COMPUTE_DTYPE), vt.to(COMPUTE_DTYPE))
         acc = acc * alpha[:, None] + tl.dot(
             p.to(COMPUTE_DTYPE), v, input_precision=INPUT_PRECISION, out_dtype=tl.float32
@@ -151,5 +155,8 @@ def get_paged_kernel():
 
     mode = interpreter_enabled()
     if mode not in _KERNELS:
-        _KERNELS[mode] = triton.jit(_paged_ragged_attention)
+        # the kernel's helper jitted in the same mode, bound in a copy of this module's globals (as ragged_attention's)
+        scope = dict(globals(), _fp8_as_half=triton.jit(_fp8_as_half))
+        kernel = types.FunctionType(_paged_ragged_attention.__code__, scope, _paged_ragged_attention.__name__)
+        _KERNELS[mode] = triton.jit(kernel)
     return _KERNELS[mode]
