@@ -453,10 +453,6 @@ void copy_by_dims(const char* block, const int64_t* offsets, int64_t n, int64_t 
   }
 }
 
-inline void prefetch_span(const char* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
-}
-
 void copy_tail_rows(const char* block, const int64_t* offsets, const int64_t* runs, bool by_dims, int64_t n, int64_t d,
                     int64_t esize, char* dst) {
   if (by_dims) {
@@ -554,21 +550,11 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
                     "kvpress_critical: a region block outside the cache");
     }
   }
-  // per KV head: the first element and the number of elements its entries span in a block (all inside a block;
-  // prefetched ahead)
-  const auto span_of = [&](const int64_t* offsets) {
-    std::vector<int64_t> span(2 * kv_heads);
-    for (int64_t kv = 0; kv < kv_heads; ++kv) {
-      const int64_t* o = offsets + kv * block_size * d;
-      const auto [lo, hi] = std::minmax_element(o, o + block_size * d);
-      TORCH_CHECK(*lo >= 0 && *hi < tail_keys.size(1) && *hi < tail_values.size(1),
-                  "kvpress_critical: key / value offsets outside a block");
-      span[2 * kv] = *lo;
-      span[2 * kv + 1] = *hi - *lo + 1;
-    }
-    return span;
-  };
-  const std::vector<int64_t> key_span = span_of(koff), value_span = span_of(voff);
+  for (const int64_t* offsets : {koff, voff}) {
+    const auto [lo, hi] = std::minmax_element(offsets, offsets + key_offsets.numel());
+    TORCH_CHECK(*lo >= 0 && *hi < tail_keys.size(1) && *hi < tail_values.size(1),
+                "kvpress_critical: key / value offsets outside a block");
+  }
   // per KV head: whether its entries are dimension-major in a block (dimension k of slot j + 1 right after slot j's,
   // for every k and j) rather than runs along the head dimension (a first entry not contiguous)
   const auto by_dims_of = [&](const int64_t* offsets) {
@@ -633,12 +619,6 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
       for (int64_t t = 0; t < length;) {  // the entries held in one block at a time
         const int64_t block = tt[b * tail_table.size(1) + t / block_size];
         const int64_t n = std::min(block_size - t % block_size, length - t);
-        if (t + n < length) {  // the next block's part for this KV head, into cache while this one is copied
-          const int64_t next = tt[b * tail_table.size(1) + (t + n) / block_size];
-          prefetch_span(tk + (next * tail_keys.stride(0) + key_span[2 * kv]) * esize, key_span[2 * kv + 1] * esize);
-          prefetch_span(tv + (next * tail_values.stride(0) + value_span[2 * kv]) * esize,
-                        value_span[2 * kv + 1] * esize);
-        }
         const int64_t slot = (kv * block_size + t % block_size) * d;  // the first entry's offsets and runs
         copy_tail_rows(tk + block * tail_keys.stride(0) * esize, koff + slot, key_runs.data() + slot, key_by_dims[kv],
                        n, d, esize, gk + t * d * esize);
