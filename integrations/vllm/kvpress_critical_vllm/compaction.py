@@ -102,11 +102,27 @@ class Compactor:
                 )
         return outcome
 
-    def slots(self, job: Job) -> torch.Tensor:
-        """``(held,)`` slots of the positions the compaction scores, ``start .. seen - 1``."""
+    def slots(self, job: Job, block_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``(held,)`` slots of the positions the compaction scores, ``start .. seen - 1`` (in the request's block
+        table, or in ``block_ids``)."""
         evict = job.directive.eviction
-        positions = torch.arange(evict.start, evict.seen, device=job.block_ids.device)
-        return job.block_ids[positions // evict.block_size].long() * evict.block_size + positions % evict.block_size
+        block_ids = job.block_ids if block_ids is None else block_ids
+        positions = torch.arange(evict.start, evict.seen, device=block_ids.device)
+        return block_ids[positions // evict.block_size].long() * evict.block_size + positions % evict.block_size
+
+    def destination(self, job: Job) -> torch.Tensor:
+        """The block table the compaction writes through: the request's, with the blocks another request shares (or
+        a kept compressed prefix holds) replaced by the fresh blocks the scheduler gave (``redirect``)."""
+        if not job.directive.redirect:
+            return job.block_ids
+        table = job.block_ids.clone()
+        for index, block_id in job.directive.redirect:
+            if not 0 <= index < table.numel():
+                raise PluginStateError(
+                    f"kvpress_critical: a fresh block for index {index} of a {table.numel()}-block table"
+                )
+            table[index] = block_id
+        return table
 
     def score(self, job: Job, attention_layers: dict) -> Iterator[tuple[str, tuple]]:
         """Each layer's scores, ``(layer, (base, norms))`` (:func:`~kvpress_critical_vllm.presses.layer_scores`), one
@@ -167,11 +183,12 @@ class Compactor:
         kept entries before the prompt's last block boundary ``B``, packed head after head into the rows of the whole
         blocks of positions ``E .. B-1`` (the layer's kept entries are read first: they move within those blocks).
         """
-        slots = self.slots(job)
+        slots = self.slots(job)  # read from the request's blocks, written through its destination table
+        destination = self.destination(job)
         evict = job.directive.eviction
         if job.directive.options.head_wise:
             boundary = evict.boundary
-            region = job.block_ids[evict.evicted // evict.block_size : boundary // evict.block_size].long()
+            region = destination[evict.evicted // evict.block_size : boundary // evict.block_size].long()
             for name, mask in kept.items():
                 kv_cache = attention_layers[name].kv_cache
                 parts = [
@@ -190,7 +207,7 @@ class Compactor:
                     region_keys[region] = keys.view(region.numel(), rows, keys.shape[-1])
                     region_values[region] = values.view(region.numel(), rows, values.shape[-1])
             return
-        target = slots[evict.evicted - evict.start :]
+        target = self.slots(job, destination)[evict.evicted - evict.start :]
         for name, mask in kept.items():
             kv_cache = attention_layers[name].kv_cache
             for head in range(mask.shape[0]):

@@ -14,7 +14,10 @@ Exposed (labels: ``model_name``):
   ``vllm:kvpress_critical_blocks_freed_total``, ``vllm:kvpress_critical_compactions_total`` and, among them,
   ``vllm:kvpress_critical_decoding_compactions_total`` (compression while decoding),
   ``vllm:kvpress_critical_requests_failed_total`` (requests the plugin ended with an error),
-  ``vllm:kvpress_critical_blocks_unhashed_total`` (blocks compactions took out of vLLM's prefix cache);
+  ``vllm:kvpress_critical_blocks_unhashed_total`` (blocks compactions took out of vLLM's prefix cache),
+  ``vllm:kvpress_critical_compressed_prefixes_reused_total`` and ``vllm:kvpress_critical_prompt_tokens_reused_total``
+  (compressed requests that started from a compressed prefix another request kept, and the prompt tokens they did not
+  compute);
 - ``vllm:kvpress_critical_requests_uncompressed_total`` (label ``reason``: ``ratio_zero``, ``short_prompt``,
   ``streaming_input``, ``invalid_options``, ``not_compacted``, ``shared_prefix``: a block its compaction would rewrite
   is held by another request through vLLM's prefix cache);
@@ -46,6 +49,10 @@ COUNTERS = {
     "compression_chunk_size).",
     "decoding_compactions": "Compactions while decoding (compression_interval), among compactions.",
     "blocks_unhashed": "KV blocks compactions took out of vLLM's prefix cache (rewritten, so never served as a hit).",
+    "compressed_prefixes_reused": "Compressed requests that started from a compressed prefix another request kept "
+    "(compression_chunk_size, vLLM's prefix cache on).",
+    "prompt_tokens_reused": "Prompt tokens compressed requests took from a kept compressed prefix instead of "
+    "computing them.",
     "requests_failed": "Requests the plugin ended with an error (a compaction broken midway, or, with a max_model_len "
     "longer than the pool, a request held whole that cannot fit it).",
 }
@@ -107,6 +114,12 @@ class MetricsWriter:
     def unhashed(self, blocks: int) -> None:
         self.counters["blocks_unhashed"] += blocks
         self._dirty = blocks > 0 or self._dirty
+
+    def prefix_reused(self, tokens: int) -> None:
+        """A compressed request started from a kept compressed prefix of ``tokens`` tokens."""
+        self.counters["compressed_prefixes_reused"] += 1
+        self.counters["prompt_tokens_reused"] += tokens
+        self._dirty = True
 
     def failed(self, requests: int) -> None:
         self.counters["requests_failed"] += requests

@@ -15,45 +15,269 @@ uncompressed request would compute. So, with the prefix cache on:
   of reach too;
 - the blocks of positions ``0 .. E-1``, freed by the compaction untouched, keep their hashes: a later uncompressed
   request with the same prefix (the next turn of a chat, another question on a document) reuses them.
+
+A compressed prefix is shared too (:class:`CompressedPrefixes`), with ``compression_chunk_size``: what a request holds
+after the compaction at a chunk end ``P`` (the kept entries in the blocks of positions ``E .. P-1``) depends only on
+its first ``P`` tokens and its options, since each chunk is scored before any later token is read. So after that
+compaction is confirmed (``P`` on a block boundary), its blocks enter the index under the plugin's own hashes, keyed
+by vLLM's chained hash of the ``P`` tokens (LoRA, multimodal inputs and ``cache_salt`` included) and the options that
+shape the prompt's compactions; vLLM keeps them when they are freed and reuses them least recently used first, as its
+own cached blocks. A later request with the same prefix and options starts from the longest such prefix its own
+schedule compacts at (the same ``P`` and ``E``): its table holds null placeholders for positions ``0 .. E-1`` and
+those blocks after them, it computes from ``P`` on, and its workers attend from ``E`` as the first request's did.
+A compaction never writes a block another request holds or a kept prefix's block: it writes the kept entries into
+fresh blocks instead (the workers' tables follow), and the shared blocks are left as they were; with too few free
+blocks for that, a kept prefix's block leaves the index and is written in place, and a block another request holds
+leaves the request uncompressed, as above.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, fields
+
 from kvpress_critical_vllm.budget import Eviction, blocks_for
+from kvpress_critical_vllm.options import CompressionOptions
 from kvpress_critical_vllm.vllm_compat import (
+    adopt_blocks,
+    block_at,
+    block_digest,
+    cached_blocks,
+    free_blocks,
+    give_back_blocks,
+    hash_block_size,
+    hash_blocks,
     prefix_caching,
-    shared_blocks,
+    prefix_hash,
+    real_blocks,
     skip_prefix_cache_reads,
     stop_caching,
+    take_free_blocks,
     unhash_blocks,
 )
 
+logger = logging.getLogger(f"vllm.{__name__}")
+
+PREFIXES_KEPT = 4096  # compressed prefixes remembered (their blocks are vLLM's to keep or reuse)
+# options that do not shape a prompt's compactions (compression while decoding, engine-only settings)
+NOT_IN_KEY = {
+    "compression_interval", "target_size", "record_selections", "max_window_size", "max_kernel_size",
+    "head_wise_kernel",
+}  # fmt: skip
+
+
+def options_key(options: CompressionOptions) -> bytes:
+    """The options that shape a prompt's compactions, as bytes (part of a compressed prefix's key)."""
+    return repr([(f.name, getattr(options, f.name)) for f in fields(options) if f.name not in NOT_IN_KEY]).encode()
+
+
+@dataclass(frozen=True)
+class KeptPrefix:
+    """A compressed prefix in the index: the state after a compaction at ``seen`` tokens that evicted ``evicted``
+    positions, its blocks (positions ``evicted .. seen - 1``) under the plugin's hashes ``digests``."""
+
+    seen: int
+    evicted: int
+    digests: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A request that starts from a kept compressed prefix: its first ``compactions`` prompt compactions are done."""
+
+    prefix: KeptPrefix
+    compactions: int
+
+
+class CompressedPrefixes:
+    """The compressed prefixes one scheduler kept (the most recent :data:`PREFIXES_KEPT`; a prefix whose blocks vLLM
+    reused is forgotten when next looked up)."""
+
+    def __init__(self, block_size: int, group: int) -> None:
+        self.block_size, self.group = block_size, group
+        self.kept: OrderedDict[bytes, KeptPrefix] = OrderedDict()
+        self._digests: set[bytes] = set()  # every kept prefix's block hashes
+
+    def holds(self, block) -> bool:
+        """Whether ``block`` is in the index as a kept prefix's block."""
+        digest = block_digest(block)
+        return digest is not None and digest in self._digests
+
+    def forget(self, key: bytes) -> None:
+        self._digests.difference_update(self.kept.pop(key).digests)
+
+    def key(self, scheduler, request, options: CompressionOptions, seen: int) -> bytes | None:
+        tokens = prefix_hash(request, seen, hash_block_size(scheduler))
+        if tokens is None:
+            return None
+        return hashlib.sha256(b"kvpress_critical prefix\0" + options_key(options) + b"\0" + tokens).digest()
+
+    def digests(self, key: bytes, first: int, end: int) -> tuple[bytes, ...]:
+        """The plugin's hash of each block ``first .. end - 1`` of a prefix (never a hash of tokens)."""
+        return tuple(hashlib.sha256(key + index.to_bytes(4, "little")).digest() for index in range(first, end))
+
+    def stage_keys(self, scheduler, request, tracked) -> list[tuple[int, Eviction, bytes]]:
+        """``(index, compaction, key)`` of each prompt compaction of a request on a block boundary, in order: the
+        prefixes it may keep or start from (computed once per request)."""
+        if tracked.prefix_keys is None:
+            stages = tracked.schedule.stages[: tracked.schedule.prompt_stages]
+            keys = []
+            for index, stage in enumerate(stages):
+                key = (
+                    None if stage.seen % self.block_size else self.key(scheduler, request, tracked.options, stage.seen)
+                )
+                if key is not None:
+                    keys.append((index, stage, key))
+            tracked.prefix_keys = keys
+        return tracked.prefix_keys
+
+    def lookup(self, scheduler, request, tracked) -> PrefixHit | None:
+        """The longest kept prefix of ``request`` (at a prompt compaction of its own schedule, before its last
+        token), its blocks adopted into the request's table; ``None`` when there is none."""
+        for index, stage, key in reversed(self.stage_keys(scheduler, request, tracked)):
+            prefix = self.kept.get(key)
+            if stage.seen >= request.num_tokens or prefix is None:
+                continue
+            if (prefix.seen, prefix.evicted) != (stage.seen, stage.evicted):
+                continue
+            blocks = cached_blocks(scheduler, list(prefix.digests), self.group)
+            if blocks is None:  # vLLM reused some of its blocks
+                self.forget(key)
+                continue
+            self.kept.move_to_end(key)
+            adopt_blocks(scheduler, request.request_id, self.group, stage.evicted // self.block_size, blocks)
+            return PrefixHit(prefix, index + 1)
+        return None
+
+    def keep(self, scheduler, request, options: CompressionOptions, plan: Eviction) -> bool:
+        """After a confirmed prompt compaction at a block boundary: its blocks enter the index under the plugin's
+        hashes. Whether a new prefix was kept."""
+        if plan.phase != "prompt" or plan.seen % self.block_size:
+            return False
+        key = self.key(scheduler, request, options, plan.seen)
+        if key is None or key in self.kept:
+            return False
+        first, end = plan.evicted // self.block_size, plan.seen // self.block_size
+        blocks = real_blocks(scheduler, request.request_id, first, end, self.group)
+        if len(blocks) != end - first or any(block.block_hash is not None for block in blocks):
+            return False  # never expected: a compaction's blocks are the request's own and out of the index
+        digests = self.digests(key, first, end)
+        hash_blocks(scheduler, blocks, list(digests), self.group)
+        self.kept[key] = KeptPrefix(plan.seen, plan.evicted, digests)
+        self._digests.update(digests)
+        while len(self.kept) > PREFIXES_KEPT:
+            self.forget(next(iter(self.kept)))
+        return True
+
+
+@dataclass
+class Redirect:
+    """Blocks a directed compaction writes instead of the shared ones at their indices: ``(index, old, fresh)``."""
+
+    blocks: list[tuple[int, object, object]]
+
+    @property
+    def pairs(self) -> tuple[tuple[int, int], ...]:
+        return tuple((index, fresh.block_id) for index, _, fresh in self.blocks)
+
 
 class PrefixCacheGuard:
-    """One scheduler's prefix-cache rules (inert when the engine's prefix cache is off)."""
+    """One scheduler's prefix-cache rules (inert when the engine's prefix cache is off), and its kept compressed
+    prefixes (``share``: one KV-cache group, block hashes of one block each, a pool that holds ``max_model_len``)."""
 
-    def __init__(self, scheduler, metrics) -> None:
+    def __init__(self, scheduler, metrics, share_reason: str = "") -> None:
         self.enabled = prefix_caching(scheduler)
-        self.metrics = metrics  # the scheduler's MetricsWriter: blocks_unhashed
+        self.metrics = metrics  # the scheduler's MetricsWriter: blocks_unhashed, prefixes reused
+        group, block_size = scheduler.kvpress_group, scheduler.kvpress_block_size
+        if self.enabled and not share_reason and hash_block_size(scheduler) != block_size:
+            share_reason = f"vLLM hashes blocks of {hash_block_size(scheduler)} tokens, not the pool's {block_size}"
+        self.share = self.enabled and not share_reason
+        if self.enabled and share_reason:
+            logger.info("kvpress_critical: compressed prefixes are not shared in this engine: %s", share_reason)
+        self.prefixes = CompressedPrefixes(block_size, group)
 
     def track(self, request) -> None:
-        """A request the plugin compresses: it takes no prefix-cache hit."""
+        """A request the plugin compresses: it takes no hit of vLLM's (a kept compressed prefix, :meth:`adopt`)."""
         if self.enabled:
             skip_prefix_cache_reads(request)
 
-    def before_compaction(self, scheduler, request_id: str, plan: Eviction) -> str:
-        """Before directing the compaction ``plan``: ``""`` when it may write (its blocks then leave the index), or why
-        it may not (a block it writes is shared with another request)."""
+    def shares(self, options: CompressionOptions) -> bool:
+        """Whether requests with ``options`` keep and reuse compressed prefixes (chunked schedules; not with
+        ``record_selections``, whose records start at a request's first compaction)."""
+        return self.share and options.compression_chunk_size > 0 and not options.record_selections
+
+    def adopt(self, scheduler, request, tracked) -> PrefixHit | None:
+        """A waiting compressed request's kept prefix, its blocks adopted (:meth:`CompressedPrefixes.lookup`)."""
+        if tracked is None or not self.shares(tracked.options):
+            return None
+        return self.prefixes.lookup(scheduler, request, tracked)
+
+    def keep(self, scheduler, request, options: CompressionOptions, plan: Eviction) -> None:
+        """A confirmed compaction: keep its state as a compressed prefix when it may be shared."""
+        if self.shares(options):
+            self.prefixes.keep(scheduler, request, options, plan)
+
+    def waits(self, scheduler, request, tracked, running: dict) -> bool:
+        """Whether a waiting compressed request waits a step: a running request (``running``: request id -> its
+        :class:`~kvpress_critical_vllm.tracking.Tracked`) is about to keep a longer prefix of it than any kept now,
+        which it then starts from instead of computing the same entries (a document's questions sent at once)."""
+        if tracked is None or not self.shares(tracked.options) or request.num_computed_tokens:
+            return False
+        keys = [
+            (stage, key) for _, stage, key in self.prefixes.stage_keys(scheduler, request, tracked)
+            if stage.seen < request.num_tokens
+        ]  # fmt: skip
+        if not keys:
+            return False
+        coming = set()
+        for other_id, other in running.items():
+            if other_id != request.request_id and self.shares(other.options):
+                for index, _, key in self.prefixes.stage_keys(scheduler, scheduler.requests[other_id], other):
+                    if index >= other.confirmed:  # not kept yet in this life of it
+                        coming.add(key)
+        for _, key in reversed(keys):
+            if key in self.prefixes.kept:
+                return False
+            if key in coming:
+                return True
+        return False
+
+    def before_compaction(self, scheduler, request_id: str, plan: Eviction) -> tuple[str, Redirect | None]:
+        """Before directing the compaction ``plan``: ``("", redirect)`` when it may write (its blocks then leave the
+        index; where compressed prefixes are shared, the blocks another request holds and kept prefixes' blocks are
+        written into the fresh blocks of ``redirect`` instead, when the pool has them), or why it may not (a block it
+        would write is held by another request)."""
         if not self.enabled:
-            return ""
+            return "", None
         first, end = plan.evicted // plan.block_size, blocks_for(plan.seen, plan.block_size)
         group = scheduler.kvpress_group  # the compressed group: the others' blocks are not rewritten
-        shared = shared_blocks(scheduler, request_id, first, end, group)
+        redirect = None
+        if self.share:
+            held = [(index, block_at(scheduler, request_id, index, group)) for index in range(first, end)]
+            keep = [
+                (index, block)
+                for index, block in held
+                if not block.is_null and (block.ref_cnt > 1 or self.prefixes.holds(block))
+            ]
+            if keep and len(keep) <= free_blocks(scheduler):
+                fresh = take_free_blocks(scheduler, len(keep))
+                redirect = Redirect([(index, old, new) for (index, old), new in zip(keep, fresh)])
+        skip = {index for index, _, _ in redirect.blocks} if redirect else set()
+        shared = sum(
+            block.ref_cnt > 1
+            for index, block in enumerate(real_blocks(scheduler, request_id, first, end, group), first)
+            if index not in skip
+        )
         if shared:
+            if redirect is not None:
+                give_back_blocks(scheduler, [new for _, _, new in redirect.blocks])
             return (
                 f"{shared} of the blocks its compaction would rewrite are shared with another request through vLLM's "
-                "prefix cache"
+                "prefix cache",
+                None,
             )
-        self.metrics.unhashed(unhash_blocks(scheduler, request_id, first, end, group))
+        self.metrics.unhashed(unhash_blocks(scheduler, request_id, first, end, group, skip=skip))
         stop_caching(scheduler, request_id)  # every group: later tokens attend over the compressed cache
-        return ""
+        return "", redirect

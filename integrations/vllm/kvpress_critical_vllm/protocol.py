@@ -31,6 +31,9 @@ class Compact:
     request_id: str
     options: CompressionOptions
     eviction: Eviction
+    # (block index, block id): blocks of the request's table the compaction writes into fresh blocks instead, because
+    # another request or a kept compressed prefix shares them (the worker's table points at the fresh ones after it)
+    redirect: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -39,9 +42,11 @@ class StepDirectives:
 
     compact: dict[str, Compact] = field(default_factory=dict)
     save_queries: dict[str, int] = field(default_factory=dict)  # request id -> window: keep this chunk's last queries
+    # request id -> E: a new request that starts from a kept compressed prefix (its first E positions evicted)
+    restore: dict[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.compact or self.save_queries)
+        return bool(self.compact or self.save_queries or self.restore)
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,19 @@ from kvpress_critical_vllm.kv_spec import compressed_group, window_blocks
 from kvpress_critical_vllm.metrics import MetricsWriter
 from kvpress_critical_vllm.options import CompressionOptions, OptionsError, engine_options, resolve_options
 from kvpress_critical_vllm.pool_guard import PoolGuard
-from kvpress_critical_vllm.prefix_cache import PrefixCacheGuard
+from kvpress_critical_vllm.prefix_cache import PrefixCacheGuard, PrefixHit, Redirect
 from kvpress_critical_vllm.protocol import DIRECTIVES_ATTRIBUTE, REPORT_ATTRIBUTE, Compact, StepDirectives
 from kvpress_critical_vllm.tracking import RECORDS_KEPT, BoundedRecords, CompressionRecord, Tracked, compaction_line
-from kvpress_critical_vllm.vllm_compat import discard_sampled_tokens, free_blocks, real_blocks_held, remove_blocks
+from kvpress_critical_vllm.vllm_compat import (
+    discard_sampled_tokens,
+    empty_blocks,
+    free_blocks,
+    give_back_blocks,
+    real_blocks_held,
+    release_request_blocks,
+    remove_blocks,
+    swap_block,
+)
 
 # under vLLM's logger, so that the lines appear in vLLM's log at its level (VLLM_LOGGING_LEVEL)
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -72,7 +81,14 @@ class CompressingSchedulerMixin:
             self.kvpress_block_size,
             self.kvpress_block_size - 1,
         )
-        self._kvpress_prefix = PrefixCacheGuard(self, self.kvpress_metrics)
+        share_reason = ""
+        if len(groups) > 1:
+            share_reason = "the model has several KV-cache groups"
+        elif bounded:
+            share_reason = "max_model_len is longer than the pool (a request's blocks are bounded there)"
+        self._kvpress_prefix = PrefixCacheGuard(self, self.kvpress_metrics, share_reason)
+        self._kvpress_adopted: dict[str, PrefixHit] = {}  # waiting requests given a kept prefix in this schedule
+        self._kvpress_redirects: dict[str, Redirect] = {}  # directed compactions' fresh blocks, until reported
         bound = getattr(spec, "max_blocks_held", None)
         # longer than the pool (max_model_len over the pool's tokens): a request held whole may never fit again
         self._kvpress_pool = PoolGuard(
@@ -161,14 +177,58 @@ class CompressingSchedulerMixin:
 
     # -------------------------------------------------------------------------------------------------- schedule
     def schedule(self, *args, **kwargs):
-        output = super().schedule(*args, **kwargs)
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            adopted = self._release_unadmitted()
         if self._kvpress:
-            directives = self._directives(output)
+            directives = self._directives(output, adopted)
             if directives:
                 setattr(output, DIRECTIVES_ATTRIBUTE, directives)
         return output
 
-    def _directives(self, output) -> StepDirectives:
+    def _get_local_prefix_cache_hit(self, request: Request):
+        """vLLM's local prefix-cache lookup; a compressed request that shares a kept compressed prefix starts from it
+        (:meth:`~kvpress_critical_vllm.prefix_cache.PrefixCacheGuard.adopt`: its blocks are in its table already,
+        so vLLM allocates only those of its next tokens)."""
+        request_id = request.request_id
+        hit = self._kvpress_adopted.get(request_id)
+        if hit is None:
+            hit = self._kvpress_prefix.adopt(self, request, self._kvpress.get(request_id))
+        if hit is None:
+            return super()._get_local_prefix_cache_hit(request)
+        self._kvpress_adopted[request_id] = hit
+        return empty_blocks(self), hit.prefix.seen, 0, False
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        """vLLM's check that a waiting request may be scheduled now; a compressed request also waits while a running
+        one is about to keep a longer compressed prefix of it (:meth:`~kvpress_critical_vllm.prefix_cache
+        .PrefixCacheGuard.waits`): vLLM skips it for the step and schedules the requests behind it."""
+        if not super()._handle_blocked_waiting_request(request):
+            return False
+        tracked = self._kvpress.get(request.request_id)
+        if tracked is None or not self._kvpress_prefix.share:
+            return True
+        running = {
+            other.request_id: self._kvpress[other.request_id]
+            for other in self.running
+            if other.request_id in self._kvpress and self._kvpress[other.request_id].life == other.num_preemptions
+        }
+        return not self._kvpress_prefix.waits(self, request, tracked, running)
+
+    def _release_unadmitted(self) -> dict[str, PrefixHit]:
+        """The requests that started from a kept prefix in this schedule; the blocks of those vLLM did not admit go
+        back (they look the prefix up again when next scheduled)."""
+        adopted, self._kvpress_adopted = self._kvpress_adopted, {}
+        for request_id in list(adopted):
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                if request is not None:
+                    release_request_blocks(self, request)
+                del adopted[request_id]
+        return adopted
+
+    def _directives(self, output, adopted: dict[str, PrefixHit]) -> StepDirectives:
         directives = StepDirectives()
         for request_id, scheduled in output.num_scheduled_tokens.items():
             tracked = self._kvpress.get(request_id)
@@ -176,6 +236,16 @@ class CompressingSchedulerMixin:
                 continue
             request = self.requests[request_id]
             tracked.live(request.num_preemptions)
+            hit = adopted.get(request_id)
+            if hit is not None:  # its first compactions are the kept prefix's: its workers start from its state
+                tracked.directed = tracked.confirmed = hit.compactions
+                directives.restore[request_id] = hit.prefix.evicted
+                self.kvpress_metrics.prefix_reused(hit.prefix.seen)
+                logger.info(
+                    "kvpress_critical: request %s starts from a compressed prefix of %d tokens (%d entries kept per "
+                    "KV head, compaction %d of its prompt)",
+                    request_id, hit.prefix.seen, hit.prefix.seen - hit.prefix.evicted, hit.compactions,
+                )  # fmt: skip
             end = request.num_computed_tokens  # already advanced past this step's tokens
             start = end - scheduled
             window = tracked.options.window_size if tracked.options.needs_queries else 0
@@ -183,12 +253,16 @@ class CompressingSchedulerMixin:
             if plan is None:
                 continue  # compacted in this life of the request as far as it goes, or about to be
             if end == plan.seen:
-                shared = self._kvpress_prefix.before_compaction(self, request_id, plan)
+                shared, redirect = self._kvpress_prefix.before_compaction(self, request_id, plan)
                 if shared:
                     self._fall_back(request, shared, "shared_prefix")
                     continue
                 tracked.directed += 1
-                directives.compact[request_id] = Compact(request_id, tracked.options, plan)
+                pairs = ()
+                if redirect is not None:
+                    self._kvpress_redirects[request_id] = redirect
+                    pairs = redirect.pairs
+                directives.compact[request_id] = Compact(request_id, tracked.options, plan, pairs)
             elif start < plan.seen < end:  # the scheduler's chunks stop at each compaction: never expected
                 self._fall_back(request, f"a step ran past its compaction at {plan.seen} ({start}..{end - 1})")
             elif tracked.options.needs_queries and plan.seen - tracked.options.window_size < end < plan.seen:
@@ -198,7 +272,8 @@ class CompressingSchedulerMixin:
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         tracked = self._kvpress.get(request.request_id)
-        if num_computed_tokens == 0 and request.status is not RequestStatus.RUNNING:
+        first = num_computed_tokens == 0 or request.request_id in self._kvpress_adopted
+        if first and request.status is not RequestStatus.RUNNING:
             num_new_tokens = self._admit(request, tracked, num_new_tokens)
         stop = tracked.next_end(num_computed_tokens, request.num_tokens) if tracked is not None else None
         if stop is not None and stop < num_computed_tokens + num_new_tokens:
@@ -253,20 +328,33 @@ class CompressingSchedulerMixin:
         """Free the blocks of each compaction the workers confirm and leave the others whole (the requests a worker
         changed in part were forgotten by :meth:`update_from_output`, which ends them)."""
         for request_id, directive in directives.compact.items():
+            redirect = self._kvpress_redirects.pop(request_id, None)
+            fresh = [new for _, _, new in redirect.blocks] if redirect is not None else []
             request = self.requests.get(request_id)
             tracked = self._kvpress.get(request_id)
             if request is None or tracked is None or request.is_finished():
+                give_back_blocks(self, fresh)
                 continue  # finished meanwhile (its blocks went back with it), or broken (forgotten, to be ended)
             if report is None:
+                give_back_blocks(self, fresh)
                 self._fall_back(request, "the workers sent no report for its compaction step")
                 continue
             done = report.compacted.get(request_id)
             if done is None:
+                give_back_blocks(self, fresh)
                 self._fall_back(request, report.uncompressed.get(request_id, "the workers did not compact it"))
                 continue
             if tracked.life != request.num_preemptions or done.evicted != directive.eviction.evicted:
+                give_back_blocks(self, fresh)
                 continue  # preempted since the directive was sent: its blocks were all freed, it is redone later
+            if redirect is not None:  # the workers wrote the fresh blocks: the shared ones go back as they were
+                group = self.kvpress_group
+                give_back_blocks(self, [swap_block(self, request_id, i, new, group) for i, _, new in redirect.blocks])
             self._free_evicted(request, tracked, directive.eviction, done)
+            if tracked.directed == tracked.confirmed:
+                # kept only when no later compaction of it is directed yet (with async scheduling one may be, written
+                # in place): every later one then sees the kept blocks and writes fresh ones
+                self._kvpress_prefix.keep(self, request, tracked.options, directive.eviction)
 
     def _end_unservable(self, outputs: dict) -> None:
         """End with an error the requests that can never fit the pool

@@ -57,6 +57,9 @@ class Tracked:
     directed: int = 0  # compactions sent to the workers in this life
     confirmed: int = 0  # ... and confirmed by them
     counted: bool = False  # in requests_compressed_total already
+    # (index, compaction, key) of its prompt compactions on a block boundary: the compressed prefixes it may keep or
+    # start from, with vLLM's prefix cache on (prefix_cache.CompressedPrefixes.stage_keys)
+    prefix_keys: list | None = None
 
     def live(self, preemptions: int) -> "Tracked":
         """Start the counts over when the request was preempted since they were last set."""

@@ -68,6 +68,28 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.core.kv_cache_utils", "KVCacheBlock.ref_cnt", "attribute"),
     ("vllm.v1.core.kv_cache_utils", "KVCacheBlock.block_hash", "attribute"),
     ("vllm.v1.request", "Request.skip_reading_prefix_cache", "attribute"),
+    # a compressed prefix shared (prefix_cache.py): kept under the plugin's own block hashes, adopted by a later
+    # request through the scheduler's local prefix-cache lookup; a block shared with it is never written in place
+    ("vllm.v1.core.sched.scheduler", "Scheduler._get_local_prefix_cache_hit", "method(request)"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler._handle_blocked_waiting_request", "method(request)"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.hash_block_size", "attribute"),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.free", "method(request)"),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.empty_kv_cache_blocks", "attribute"),
+    ("vllm.v1.core.block_pool", "BlockPool.get_cached_block", "method(block_hash, kv_cache_group_ids)"),
+    ("vllm.v1.core.block_pool", "BlockPool._insert_block_hash", "method(block_hash_with_group_id, block, num_tokens)"),
+    ("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", "method(num_blocks)"),
+    ("vllm.v1.core.block_pool", "BlockPool.free_blocks", "method(ordered_blocks)"),
+    ("vllm.v1.core.block_pool", "BlockPool.touch", "method(blocks)"),
+    ("vllm.v1.core.block_pool", "BlockPool.null_block", "attribute"),
+    ("vllm.v1.core.kv_cache_utils", "make_block_hash_with_group_id", "function"),
+    ("vllm.v1.core.kv_cache_utils", "get_block_hash", "function"),
+    ("vllm.v1.request", "Request.block_hashes", "attribute"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.requests", "attribute"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch.req_id_to_index", "attribute"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch.block_table", "attribute"),
+    ("vllm.v1.worker.gpu_input_batch", "CachedRequestState.block_ids", "attribute"),
+    ("vllm.v1.worker.block_table", "BlockTable.block_table", "attribute"),
+    ("vllm.v1.worker.block_table", "BlockTable.block_size", "attribute"),
     ("vllm.v1.request", "Request", "class"),
     ("vllm.v1.request", "RequestStatus", "class"),
     *_attributes(
@@ -213,12 +235,25 @@ def shared_blocks(scheduler, request_id: str, first_block: int, end_block: int, 
     return sum(block.ref_cnt > 1 for block in real_blocks(scheduler, request_id, first_block, end_block, group))
 
 
-def unhash_blocks(scheduler, request_id: str, first_block: int, end_block: int, group: int = 0) -> int:
-    """Take blocks ``first_block .. end_block - 1`` of a request in group ``group`` out of the prefix cache's index (no
-    later request can hit them); the number that were in it."""
+def unhash_blocks(
+    scheduler, request_id: str, first_block: int, end_block: int, group: int = 0, skip: set[int] = frozenset()
+) -> int:
+    """Take blocks ``first_block .. end_block - 1`` of a request in group ``group`` (but the indices in ``skip``) out
+    of the prefix cache's index (no later request can hit them); the number that were in it."""
     pool = scheduler.kv_cache_manager.block_pool
-    blocks = real_blocks(scheduler, request_id, first_block, end_block, group)
-    return sum(bool(pool._maybe_evict_cached_block(block)) for block in blocks)
+    blocks = managers(scheduler)[group].req_to_blocks.get(request_id, ())
+    return sum(
+        bool(pool._maybe_evict_cached_block(block))
+        for index, block in enumerate(blocks[first_block:end_block], first_block)
+        if index not in skip and block is not None and not block.is_null
+    )
+
+
+def block_digest(block) -> bytes | None:
+    """The hash a block is in the prefix cache's index under (its group id aside), or ``None``."""
+    from vllm.v1.core.kv_cache_utils import get_block_hash
+
+    return bytes(get_block_hash(block.block_hash)) if block.block_hash is not None else None
 
 
 def stop_caching(scheduler, request_id: str) -> None:
@@ -228,6 +263,84 @@ def stop_caching(scheduler, request_id: str) -> None:
     for manager in managers(scheduler):
         if request_id in manager.num_cached_block:
             manager.num_cached_block[request_id] = NEVER_CACHED
+
+
+def hash_block_size(scheduler) -> int:
+    """Tokens per entry of a request's block hashes (``Request.block_hashes``)."""
+    return scheduler.hash_block_size
+
+
+def prefix_hash(request, n_tokens: int, hash_block: int) -> bytes | None:
+    """vLLM's chained hash of a request's first ``n_tokens`` tokens (a whole number of ``hash_block``-token hash
+    blocks), with what vLLM mixes into it (LoRA, multimodal inputs, ``cache_salt``), or ``None`` when not computed."""
+    hashes, blocks = request.block_hashes, n_tokens // hash_block
+    return bytes(hashes[blocks - 1]) if 0 < blocks <= len(hashes) and n_tokens % hash_block == 0 else None
+
+
+def cached_blocks(scheduler, digests: list[bytes], group: int) -> list | None:
+    """The blocks kept in the prefix cache's index under the plugin's hashes ``digests`` (in group ``group``), or
+    ``None`` when any of them left it (evicted for another allocation, or the cache was reset)."""
+    pool = scheduler.kv_cache_manager.block_pool
+    found = []
+    for digest in digests:
+        blocks = pool.get_cached_block(digest, [group])
+        if not blocks:
+            return None
+        found.append(blocks[0])
+    return found
+
+
+def hash_blocks(scheduler, blocks: list, digests: list[bytes], group: int) -> None:
+    """Put ``blocks`` in the prefix cache's index under the plugin's hashes ``digests``: kept when freed, until vLLM
+    reuses them (least recently used first), and reachable by no request's own token hashes."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    pool = scheduler.kv_cache_manager.block_pool
+    for block, digest in zip(blocks, digests):
+        pool._insert_block_hash(make_block_hash_with_group_id(digest, group), block, None)
+
+
+def adopt_blocks(scheduler, request_id: str, group: int, skipped: int, blocks: list) -> None:
+    """A waiting request starts from ``blocks`` after ``skipped`` null placeholders in group ``group``, as a request
+    whose first blocks a compaction freed: the blocks are referenced (out of the free queue), none of its blocks
+    enters the index by its token hashes, and vLLM's allocation then adds only the blocks of its next tokens."""
+    manager = managers(scheduler)[group]
+    pool = scheduler.kv_cache_manager.block_pool
+    pool.touch(blocks)
+    manager.req_to_blocks[request_id] = [pool.null_block] * skipped + list(blocks)
+    manager.num_cached_block[request_id] = NEVER_CACHED
+
+
+def release_request_blocks(scheduler, request) -> None:
+    """Give back every block a waiting request holds (what :func:`adopt_blocks` gave it, when it was not admitted)."""
+    scheduler.kv_cache_manager.free(request)
+
+
+def empty_blocks(scheduler):
+    """vLLM's empty ``KVCacheBlocks`` (a lookup's "no hit")."""
+    return scheduler.kv_cache_manager.empty_kv_cache_blocks
+
+
+def take_free_blocks(scheduler, count: int) -> list:
+    """``count`` blocks from the free queue (the least recently used cached ones evicted first), referenced once."""
+    return scheduler.kv_cache_manager.block_pool.get_new_blocks(count)
+
+
+def give_back_blocks(scheduler, blocks: list) -> None:
+    """Drop one reference to each of ``blocks`` (those with a hash stay in the index until reused)."""
+    scheduler.kv_cache_manager.block_pool.free_blocks(blocks)
+
+
+def block_at(scheduler, request_id: str, index: int, group: int):
+    """The block at ``index`` of a request's table in group ``group``."""
+    return managers(scheduler)[group].req_to_blocks[request_id][index]
+
+
+def swap_block(scheduler, request_id: str, index: int, block, group: int):
+    """Put ``block`` at ``index`` of a request's table in group ``group``; the block it replaces (still referenced)."""
+    held = managers(scheduler)[group].req_to_blocks[request_id]
+    old, held[index] = held[index], block
+    return old
 
 
 def discard_sampled_tokens(model_runner_output, request_ids: Iterable[str]) -> None:
@@ -249,6 +362,21 @@ def requests_starting_over(scheduler_output) -> set[str]:
     gone.update(request.req_id for request in scheduler_output.scheduled_new_reqs)
     gone.update(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
     return gone
+
+
+def replace_block_ids(runner, request_id: str, group: int, replaced: dict[int, int], block_size: int) -> None:
+    """Write ``replaced`` (block index -> block id) into a request's block table on this worker, in group ``group``:
+    the batch's row (read from the next step on) and the request's state (a row rebuilt from it later)."""
+    state = runner.requests[request_id]
+    ids = state.block_ids[group]
+    table = runner.input_batch.block_table[group]
+    if table.block_size != block_size:
+        raise ValueError(f"a block table of {table.block_size}-token kernel blocks, not the pool's {block_size}")
+    row = runner.input_batch.req_id_to_index.get(request_id)
+    for index, block_id in replaced.items():
+        ids[index] = block_id
+        if row is not None:
+            table.block_table.np[row, index] = block_id
 
 
 def batch_rows(runner, num_reqs: int) -> tuple[list[str], list[int]]:

@@ -209,6 +209,7 @@ class CompressingWorkerMixin:
         state = self.kvpress_state
         groups = kv_cache_groups(self.model_runner)
         compressed = compressed_group(groups)
+        state.group = compressed
         layers = set(groups[compressed].layer_names)
         # the model's full-attention layers (bind_model) are the compressed group's; the sliding-window groups' layers
         # run as vLLM's, with their whole view

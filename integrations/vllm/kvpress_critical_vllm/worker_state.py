@@ -43,7 +43,7 @@ from kvpress_critical_vllm.protocol import (
 )
 from kvpress_critical_vllm.records import SelectionRecords
 from kvpress_critical_vllm.step_plan import HeadWise, StepPlan, plan_step
-from kvpress_critical_vllm.vllm_compat import batch_of, requests_starting_over
+from kvpress_critical_vllm.vllm_compat import batch_of, replace_block_ids, requests_starting_over
 
 # under vLLM's logger, so that the lines appear in vLLM's log at its level (VLLM_LOGGING_LEVEL)
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -62,6 +62,7 @@ class WorkerState:
         self.layout = None  # how to read the paged cache by slot (set once the cache exists)
         self.kv_codes: dict[str, KVCodes] = {}  # compressed layer -> its cache's format and scales (with the layout)
         self.block_size: int | None = None  # the paged cache's block size (set with the layout)
+        self.group = 0  # the compressed KV-cache group (the full-attention layers')
         self.tp_size = 1
         self.shifts: dict[str, int] = {}  # compacted request -> evicted positions its attention skips
         self.head_wise: dict[str, HeadWise] = {}  # compacted head-wise request -> its region
@@ -97,6 +98,9 @@ class WorkerState:
             self.head_wise.pop(request_id, None)
             self.queries.pop(request_id, None)
         self._directives = getattr(scheduler_output, DIRECTIVES_ATTRIBUTE, None) or StepDirectives()
+        # new requests that start from a kept compressed prefix: attend from its first kept position on, as the
+        # request that compacted it did (uniform presses: the prefix's blocks hold positions E .. P-1)
+        self.shifts.update(self._directives.restore)
         self._plan = None
         self._report = StepReport()
 
@@ -171,6 +175,8 @@ class WorkerState:
         self._report.uncompressed.update(outcome.uncompressed)
         for job, kept in outcome.written:
             request_id, evict = job.directive.request_id, job.directive.eviction
+            if job.directive.redirect:  # written into fresh blocks: the request's table points at them from now on
+                replace_block_ids(self.runner, request_id, self.group, dict(job.directive.redirect), self.block_size)
             if job.directive.options.head_wise:
                 counts = torch.stack([mask.sum(dim=1) for mask in kept.values()])  # (L, H_kv), the pinned tail in
                 pinned = evict.seen - evict.boundary

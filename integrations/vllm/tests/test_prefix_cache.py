@@ -111,3 +111,76 @@ def test_identical_prompts_at_once_never_share_a_block_a_compaction_writes(prefi
     else:
         assert after["compactions"] == before["compactions"] + 1
         assert compressed == generate(engine, [(prompt, params(12))])[0][0]
+
+
+def test_a_document_compressed_once_serves_every_question(prefix_cache_engine, engine, prompt_ids):
+    """With ``compression_chunk_size``: a first question on a 640-token document compacts it after every 128-token
+    chunk and keeps each state (each chunk end is on a block boundary); four questions asked at once then start from
+    the state after the whole document (640 tokens not computed, 40% of its entries per head held once for all), each
+    compacting its own question into fresh blocks, never into the shared ones; a fifth, asked after, starts from the
+    same blocks, unchanged. Every answer equals the same request's with the prefix cache off."""
+    document = prompt_ids[100:740]
+    questions = [prompt_ids[800 + 100 * i : 880 + 100 * i] for i in range(6)]  # longer than SnapKV's window
+    chunked = params(12, compression_chunk_size=128)
+    rounds = [
+        [(document + questions[0], chunked)],
+        [(document + q, chunked) for q in questions[1:5]],
+        [(document + questions[5], chunked), (document + questions[1], params(12, compression_chunk_size=256))],
+    ]
+    before = counters(prefix_cache_engine)
+    cached = [generate(prefix_cache_engine, requests) for requests in rounds]
+    after = counters(prefix_cache_engine)
+    reference = [generate(engine, requests) for requests in rounds]
+    assert [[tokens for tokens, _ in r] for r in cached] == [[tokens for tokens, _ in r] for r in reference]
+    first, second, third = cached
+    assert first[0][1] == 0
+    assert [hit for _, hit in second] == [len(document)] * 4  # the whole document, compressed
+    assert third[0][1] == len(document)  # the kept blocks were not written by the four compactions
+    assert third[1][1] == 0  # other options (another chunk size): another prefix, none kept
+    assert after["compressed_prefixes_reused"] - before["compressed_prefixes_reused"] == 5
+    assert after["prompt_tokens_reused"] - before["prompt_tokens_reused"] == 5 * len(document)
+    assert after["shared_prefix"] == before["shared_prefix"]
+
+
+def test_a_chat_resending_its_history_reuses_its_compressed_turns(prefix_cache_engine, engine, prompt_ids):
+    """A three-turn chat, each turn compressed with ``compression_chunk_size`` and resending the history: each turn
+    starts from the longest compressed prefix the turns before kept (a chunk end its own schedule compacts at), and
+    answers as with the prefix cache off."""
+    history, answers = prompt_ids[1200:1800], {}
+    options = params(10, compression_chunk_size=128)
+    for name, llm in (("cached", prefix_cache_engine), ("reference", engine)):
+        before = counters(llm)
+        turn, turns = history, []
+        for i in range(3):
+            ((answer, hit),) = generate(llm, [(turn, options)])
+            turns.append((answer, hit, len(turn)))
+            turn = turn + answer + prompt_ids[1900 + 100 * i : 2000 + 100 * i]
+        answers[name] = turns
+        reused = counters(llm)["compressed_prefixes_reused"] - before["compressed_prefixes_reused"]
+        assert reused == (2 if name == "cached" else 0)
+    assert [a for a, _, _ in answers["cached"]] == [a for a, _, _ in answers["reference"]]
+    hits = [hit for _, hit, _ in answers["cached"]]
+    lengths = [length for _, _, length in answers["cached"]]
+    # the first turn's chunk ends (128 .. 512; its last chunk is merged); the second turn's run to 640
+    assert hits == [0, 512, 640] and lengths[1] > 640
+
+
+def test_identical_compressed_prompts_at_once_share_the_first_ones_prefix(prefix_cache_engine, engine, prompt_ids):
+    """Two compressed requests with one 500-token prompt sent at once, and an uncompressed one with it: the second
+    compressed request waits while the first keeps its chunks' states, then starts from the longest (384 tokens);
+    the uncompressed one hits the blocks the first prefills, which its compactions then write into fresh blocks
+    instead; a later, longer request starts from the same kept prefix. Every answer is the reference's."""
+    prompt, longer = prompt_ids[1500:2000], prompt_ids[1500:2100]
+    chunked = params(12, compression_chunk_size=128)
+    batch = [(prompt, chunked), (prompt, chunked), (prompt, params(12, compression_ratio=0.0))]
+    before = counters(prefix_cache_engine)
+    together = generate(prefix_cache_engine, batch)
+    (later,) = generate(prefix_cache_engine, [(longer, chunked)])
+    after = counters(prefix_cache_engine)
+    assert [t for t, _ in together] == [t for t, _ in generate(engine, batch)]
+    assert later[0] == generate(engine, [(longer, chunked)])[0][0]
+    # chunk ends 128, 256, 384 on block boundaries before the prompt's end (500)
+    assert together[0][1] == 0 and together[1][1] == 384 and together[2][1] > 0
+    assert later[1] == 384
+    assert after["compressed_prefixes_reused"] - before["compressed_prefixes_reused"] == 2
+    assert after["shared_prefix"] == before["shared_prefix"]  # no compaction left undone
