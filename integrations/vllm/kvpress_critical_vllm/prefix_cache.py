@@ -219,25 +219,26 @@ class PrefixCacheGuard:
         if self.shares(options):
             self.prefixes.keep(scheduler, request, options, plan)
 
-    def waits(self, scheduler, request, tracked, running: dict) -> bool:
-        """Whether a waiting compressed request waits a step: a running request (``running``: request id -> its
-        :class:`~kvpress_critical_vllm.tracking.Tracked`) is about to keep a longer prefix of it than any kept now,
-        which it then starts from instead of computing the same entries (a document's questions sent at once)."""
+    def waits(self, scheduler, request, tracked, producers: dict) -> bool:
+        """Whether a waiting compressed request waits a step: a running or preempted request (``producers``: request
+        id -> its :class:`~kvpress_critical_vllm.tracking.Tracked` and the index of its first compaction not
+        confirmed yet) is about to keep a longer prefix of it than any kept now, which it then starts from instead of
+        computing the same entries (a document's questions sent at once)."""
         if tracked is None or not self.shares(tracked.options) or request.num_computed_tokens:
             return False
         keys = [
-            (stage, key) for _, stage, key in self.prefixes.stage_keys(scheduler, request, tracked)
+            key for _, stage, key in self.prefixes.stage_keys(scheduler, request, tracked)
             if stage.seen < request.num_tokens
         ]  # fmt: skip
         if not keys:
             return False
         coming = set()
-        for other_id, other in running.items():
+        for other_id, (other, first) in producers.items():
             if other_id != request.request_id and self.shares(other.options):
                 for index, _, key in self.prefixes.stage_keys(scheduler, scheduler.requests[other_id], other):
-                    if index >= other.confirmed:  # not kept yet in this life of it
+                    if index >= first:
                         coming.add(key)
-        for _, key in reversed(keys):
+        for key in reversed(keys):
             if key in self.prefixes.kept:
                 return False
             if key in coming:

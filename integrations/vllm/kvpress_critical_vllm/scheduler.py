@@ -209,12 +209,19 @@ class CompressingSchedulerMixin:
         tracked = self._kvpress.get(request.request_id)
         if tracked is None or not self._kvpress_prefix.share:
             return True
-        running = {
-            other.request_id: self._kvpress[other.request_id]
-            for other in self.running
-            if other.request_id in self._kvpress and self._kvpress[other.request_id].life == other.num_preemptions
-        }
-        return not self._kvpress_prefix.waits(self, request, tracked, running)
+        # running requests, and preempted ones (rescheduled first, from their own kept prefixes): the index of the
+        # first compaction each has not confirmed in its current life
+        producers = {}
+        for other in self.running:
+            other_tracked = self._kvpress.get(other.request_id)
+            if other_tracked is not None:
+                live = other_tracked.life == other.num_preemptions
+                producers[other.request_id] = (other_tracked, other_tracked.confirmed if live else 0)
+        for other in self.waiting:
+            other_tracked = self._kvpress.get(other.request_id)
+            if other_tracked is not None and other.status is RequestStatus.PREEMPTED:
+                producers[other.request_id] = (other_tracked, 0)
+        return not self._kvpress_prefix.waits(self, request, tracked, producers)
 
     def _release_unadmitted(self) -> dict[str, PrefixHit]:
         """The requests that started from a kept prefix in this schedule; the blocks of those vLLM did not admit go
