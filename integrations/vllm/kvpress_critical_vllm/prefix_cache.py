@@ -108,6 +108,17 @@ class CompressedPrefixes:
     def forget(self, key: bytes) -> None:
         self._digests.difference_update(self.kept.pop(key).digests)
 
+    def blocks_of(self, scheduler, key: bytes) -> list | None:
+        """The blocks of the kept prefix ``key``, or ``None`` (not kept, or some of its blocks were reused by vLLM:
+        then forgotten)."""
+        prefix = self.kept.get(key)
+        if prefix is None:
+            return None
+        blocks = cached_blocks(scheduler, list(prefix.digests), self.group)
+        if blocks is None:
+            self.forget(key)
+        return blocks
+
     def key(self, scheduler, request, options: CompressionOptions, seen: int) -> bytes | None:
         tokens = prefix_hash(request, seen, hash_block_size(scheduler))
         if tokens is None:
@@ -142,9 +153,8 @@ class CompressedPrefixes:
                 continue
             if (prefix.seen, prefix.evicted) != (stage.seen, stage.evicted):
                 continue
-            blocks = cached_blocks(scheduler, list(prefix.digests), self.group)
+            blocks = self.blocks_of(scheduler, key)
             if blocks is None:  # vLLM reused some of its blocks
-                self.forget(key)
                 continue
             self.kept.move_to_end(key)
             adopt_blocks(scheduler, request.request_id, self.group, stage.evicted // self.block_size, blocks)
@@ -157,7 +167,7 @@ class CompressedPrefixes:
         if plan.phase != "prompt" or plan.seen % self.block_size:
             return False
         key = self.key(scheduler, request, options, plan.seen)
-        if key is None or key in self.kept:
+        if key is None or self.blocks_of(scheduler, key) is not None:  # kept already (by a request at once)
             return False
         first, end = plan.evicted // self.block_size, plan.seen // self.block_size
         blocks = real_blocks(scheduler, request.request_id, first, end, self.group)
@@ -239,7 +249,7 @@ class PrefixCacheGuard:
                     if index >= first:
                         coming.add(key)
         for key in reversed(keys):
-            if key in self.prefixes.kept:
+            if self.prefixes.blocks_of(scheduler, key) is not None:
                 return False
             if key in coming:
                 return True

@@ -181,3 +181,15 @@ def test_identical_compressed_prompts_at_once_share_the_first_ones_prefix(prefix
     assert later[1] == 384
     assert after["compressed_prefixes_reused"] - before["compressed_prefixes_reused"] == 2
     assert after["shared_prefix"] == before["shared_prefix"]  # no compaction left undone
+
+
+def test_a_kept_prefix_whose_blocks_left_the_cache_is_computed_and_kept_again(prefix_cache_engine, engine, prompt_ids):
+    """A kept compressed prefix whose blocks left vLLM's index (reused for other requests; here the prefix cache is
+    reset) is no hit: the next request computes it and keeps it again, and the one after starts from it."""
+    prompt, chunked = prompt_ids[200:800], params(8, compression_chunk_size=128)
+    generate(prefix_cache_engine, [(prompt, chunked)])
+    assert prefix_cache_engine.reset_prefix_cache()
+    ((first, first_hit),) = generate(prefix_cache_engine, [(prompt, chunked)])
+    ((again, hit),) = generate(prefix_cache_engine, [(prompt, chunked)])
+    assert first_hit == 0 and hit == 512  # chunk ends 128 .. 512 on block boundaries before the prompt's end (600)
+    assert first == again == generate(engine, [(prompt, chunked)])[0][0]
