@@ -49,6 +49,7 @@ from kvpress_critical_vllm.vllm_compat import (
     give_back_blocks,
     hash_block_size,
     hash_blocks,
+    hold_blocks,
     prefix_caching,
     prefix_hash,
     real_blocks,
@@ -207,6 +208,28 @@ class PrefixCacheGuard:
         if self.enabled and share_reason:
             logger.info("kvpress_critical: compressed prefixes are not shared in this engine: %s", share_reason)
         self.prefixes = CompressedPrefixes(block_size, group)
+        self.pinned: dict[bytes, list] = {}  # kept prefixes a waiting request will start from: one reference held
+
+    def pin(self, scheduler, waiting) -> None:
+        """Hold one reference on the blocks of each kept prefix that a waiting compressed request (``waiting``:
+        ``(request, tracked)`` pairs) will start from, so that vLLM does not reuse them before it is admitted; give
+        back the references of the others."""
+        wanted: dict[bytes, list] = {}
+        for request, tracked in waiting if self.share else ():
+            if request.num_computed_tokens or not self.shares(tracked.options):
+                continue
+            for _, stage, key in reversed(self.prefixes.stage_keys(scheduler, request, tracked)):
+                if stage.seen >= request.num_tokens:
+                    continue
+                blocks = self.pinned.get(key) or wanted.get(key) or self.prefixes.blocks_of(scheduler, key)
+                if blocks is not None:
+                    wanted[key] = blocks
+                    break
+        for key, blocks in self.pinned.items():
+            if key not in wanted:
+                give_back_blocks(scheduler, blocks)
+        hold_blocks(scheduler, [block for key, blocks in wanted.items() if key not in self.pinned for block in blocks])
+        self.pinned = wanted
 
     def track(self, request) -> None:
         """A request the plugin compresses: it takes no hit of vLLM's (a kept compressed prefix, :meth:`adopt`)."""
@@ -255,32 +278,40 @@ class PrefixCacheGuard:
                 return True
         return False
 
-    def before_compaction(self, scheduler, request_id: str, plan: Eviction) -> tuple[str, Redirect | None]:
-        """Before directing the compaction ``plan``: ``("", redirect)`` when it may write (its blocks then leave the
-        index; where compressed prefixes are shared, the blocks another request holds and kept prefixes' blocks are
-        written into the fresh blocks of ``redirect`` instead, when the pool has them), or why it may not (a block it
-        would write is held by another request)."""
+    def keepable(self, options: CompressionOptions, plan: Eviction) -> bool:
+        """Whether the state after compaction ``plan`` of a request with ``options`` is kept once confirmed."""
+        return self.shares(options) and plan.phase == "prompt" and plan.seen % plan.block_size == 0
+
+    def before_compaction(
+        self, scheduler, request_id: str, plan: Eviction, protect: int = 0
+    ) -> tuple[str, Redirect | None, bool]:
+        """
+        Before directing the compaction ``plan``: ``("", redirect, protected)`` when it may write (its blocks then
+        leave the index; where compressed prefixes are shared, the blocks another request holds and kept prefixes'
+        blocks are written into the fresh blocks of ``redirect`` instead, when the pool has them), or why it may not
+        (a block it would write is held by another request). ``protect``: the end of a prefix of this request to be
+        kept once an earlier compaction is confirmed (async scheduling directs this one first): its blocks get fresh
+        ones too, and ``protected`` says whether they all did.
+        """
         if not self.enabled:
-            return "", None
+            return "", None, True
         first, end = plan.evicted // plan.block_size, blocks_for(plan.seen, plan.block_size)
         group = scheduler.kvpress_group  # the compressed group: the others' blocks are not rewritten
+        protected_end = min(end, protect // plan.block_size)
         redirect = None
         if self.share:
-            held = [(index, block_at(scheduler, request_id, index, group)) for index in range(first, end)]
             keep = [
                 (index, block)
-                for index, block in held
-                if not block.is_null and (block.ref_cnt > 1 or self.prefixes.holds(block))
+                for index in range(first, end)
+                if not (block := block_at(scheduler, request_id, index, group)).is_null
+                and (index < protected_end or block.ref_cnt > 1 or self.prefixes.holds(block))
             ]
             if keep and len(keep) <= free_blocks(scheduler):
                 fresh = take_free_blocks(scheduler, len(keep))
                 redirect = Redirect([(index, old, new) for (index, old), new in zip(keep, fresh)])
         skip = {index for index, _, _ in redirect.blocks} if redirect else set()
-        shared = sum(
-            block.ref_cnt > 1
-            for index, block in enumerate(real_blocks(scheduler, request_id, first, end, group), first)
-            if index not in skip
-        )
+        held = [(index, block_at(scheduler, request_id, index, group)) for index in range(first, end)]
+        shared = sum(not block.is_null and block.ref_cnt > 1 for index, block in held if index not in skip)
         if shared:
             if redirect is not None:
                 give_back_blocks(scheduler, [new for _, _, new in redirect.blocks])
@@ -288,7 +319,8 @@ class PrefixCacheGuard:
                 f"{shared} of the blocks its compaction would rewrite are shared with another request through vLLM's "
                 "prefix cache",
                 None,
+                False,
             )
         self.metrics.unhashed(unhash_blocks(scheduler, request_id, first, end, group, skip=skip))
         stop_caching(scheduler, request_id)  # every group: later tokens attend over the compressed cache
-        return "", redirect
+        return "", redirect, all(index in skip for index in range(first, protected_end))

@@ -88,7 +88,8 @@ class CompressingSchedulerMixin:
             share_reason = "max_model_len is longer than the pool (a request's blocks are bounded there)"
         self._kvpress_prefix = PrefixCacheGuard(self, self.kvpress_metrics, share_reason)
         self._kvpress_adopted: dict[str, PrefixHit] = {}  # waiting requests given a kept prefix in this schedule
-        self._kvpress_redirects: dict[str, Redirect] = {}  # directed compactions' fresh blocks, until reported
+        # (request id, tokens seen) -> a directed compaction's fresh blocks, until the workers report it
+        self._kvpress_redirects: dict[tuple[str, int], Redirect] = {}
         bound = getattr(spec, "max_blocks_held", None)
         # longer than the pool (max_model_len over the pool's tokens): a request held whole may never fit again
         self._kvpress_pool = PoolGuard(
@@ -177,6 +178,9 @@ class CompressingSchedulerMixin:
 
     # -------------------------------------------------------------------------------------------------- schedule
     def schedule(self, *args, **kwargs):
+        if self._kvpress_prefix.share:
+            waiting = [(r, self._kvpress[r.request_id]) for r in self.waiting if r.request_id in self._kvpress]
+            self._kvpress_prefix.pin(self, waiting)
         try:
             output = super().schedule(*args, **kwargs)
         finally:
@@ -260,14 +264,23 @@ class CompressingSchedulerMixin:
             if plan is None:
                 continue  # compacted in this life of the request as far as it goes, or about to be
             if end == plan.seen:
-                shared, redirect = self._kvpress_prefix.before_compaction(self, request_id, plan)
+                # with async scheduling the compaction before this one may not be confirmed yet: a prefix it is to
+                # keep must not be written in place by this one
+                pending = (
+                    tracked.schedule.stages[tracked.directed - 1] if tracked.directed > tracked.confirmed else None
+                )
+                keeps = pending is not None and pending.seen not in tracked.unkept
+                protect = pending.seen if keeps and self._kvpress_prefix.keepable(tracked.options, pending) else 0
+                shared, redirect, protected = self._kvpress_prefix.before_compaction(self, request_id, plan, protect)
                 if shared:
                     self._fall_back(request, shared, "shared_prefix")
                     continue
+                if protect and not protected:
+                    tracked.unkept.add(protect)
                 tracked.directed += 1
                 pairs = ()
                 if redirect is not None:
-                    self._kvpress_redirects[request_id] = redirect
+                    self._kvpress_redirects[request_id, plan.seen] = redirect
                     pairs = redirect.pairs
                 directives.compact[request_id] = Compact(request_id, tracked.options, plan, pairs)
             elif start < plan.seen < end:  # the scheduler's chunks stop at each compaction: never expected
@@ -335,7 +348,7 @@ class CompressingSchedulerMixin:
         """Free the blocks of each compaction the workers confirm and leave the others whole (the requests a worker
         changed in part were forgotten by :meth:`update_from_output`, which ends them)."""
         for request_id, directive in directives.compact.items():
-            redirect = self._kvpress_redirects.pop(request_id, None)
+            redirect = self._kvpress_redirects.pop((request_id, directive.eviction.seen), None)
             fresh = [new for _, _, new in redirect.blocks] if redirect is not None else []
             request = self.requests.get(request_id)
             tracked = self._kvpress.get(request_id)
@@ -358,9 +371,7 @@ class CompressingSchedulerMixin:
                 group = self.kvpress_group
                 give_back_blocks(self, [swap_block(self, request_id, i, new, group) for i, _, new in redirect.blocks])
             self._free_evicted(request, tracked, directive.eviction, done)
-            if tracked.directed == tracked.confirmed:
-                # kept only when no later compaction of it is directed yet (with async scheduling one may be, written
-                # in place): every later one then sees the kept blocks and writes fresh ones
+            if directive.eviction.seen not in tracked.unkept:  # not written in place by a later compaction
                 self._kvpress_prefix.keep(self, request, tracked.options, directive.eviction)
 
     def _end_unservable(self, outputs: dict) -> None:

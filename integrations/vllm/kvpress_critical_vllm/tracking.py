@@ -5,7 +5,7 @@ log line per compaction, :func:`compaction_line`)."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpress_critical_vllm.budget import Eviction, Schedule
 from kvpress_critical_vllm.options import CompressionOptions
@@ -60,11 +60,15 @@ class Tracked:
     # (index, compaction, key) of its prompt compactions on a block boundary: the compressed prefixes it may keep or
     # start from, with vLLM's prefix cache on (prefix_cache.CompressedPrefixes.stage_keys)
     prefix_keys: list | None = None
+    # prompt compactions (by tokens seen) of this life whose state is not kept: a later compaction, directed before
+    # they were confirmed, writes into their blocks
+    unkept: set = field(default_factory=set)
 
     def live(self, preemptions: int) -> "Tracked":
         """Start the counts over when the request was preempted since they were last set."""
         if preemptions != self.life:
             self.life, self.directed, self.confirmed = preemptions, 0, 0
+            self.unkept = set()
         return self
 
     def next_end(self, computed: int, limit: int) -> int | None:

@@ -326,6 +326,11 @@ def take_free_blocks(scheduler, count: int) -> list:
     return scheduler.kv_cache_manager.block_pool.get_new_blocks(count)
 
 
+def hold_blocks(scheduler, blocks: list) -> None:
+    """Take one reference to each of ``blocks`` (out of the free queue, so that vLLM does not reuse them)."""
+    scheduler.kv_cache_manager.block_pool.touch(blocks)
+
+
 def give_back_blocks(scheduler, blocks: list) -> None:
     """Drop one reference to each of ``blocks`` (those with a hash stay in the index until reused)."""
     scheduler.kv_cache_manager.block_pool.free_blocks(blocks)

@@ -3,7 +3,8 @@
 ``python engine_process.py JOB.json`` reads ``{"engine": LLM kwargs, "plugin": options, "prompts": [[ids]],
 "requests": [{"options": {option: value}, "max_tokens": int, "ignore_eos": bool}], "async_scheduling": bool}`` (one
 request per prompt: its own plugin options and sampling) and writes ``JOB.json.out``: the greedy tokens, the
-selections recorded by each rank (after each request's last compaction), the scheduler class, how many compactions
+selections recorded by each rank (after each request's last compaction), the prompt tokens each took from a prefix
+cache, the scheduler class, how many compactions
 each rank did and how many requests each rank still tracks once the batch is done (0: nothing left behind). A job
 may hold a ``"then"`` job: another engine configuration, started once the first is shut down (its result under
 ``"then"``), so that one process serves several configurations. With ``"count_preemptions": true`` the engine keeps
@@ -73,6 +74,7 @@ def serve_job(llm, job: dict) -> dict:
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1))
     return {
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "cached": [o.num_cached_tokens or 0 for o in outputs],  # prompt tokens taken from a prefix cache
         # per rank, per prompt (in order): {layer: [[positions] per local KV head]}, or None (never compacted)
         "selections": [
             [

@@ -89,9 +89,11 @@ def engine_job(name: str, async_scheduling: bool, prompts, requests, ids) -> dic
 # a lane of its own: behind the first run (niced, it waits long for a core) it ended 109 s after the in-process tests
 @background.job("async-scheduling", lane="async")
 def async_scheduling_job(tmp_path_factory) -> background.Job:
-    """One engine process, three configurations in turn: the default engine's (a request of every kind of the mixed
-    batch), the bounded engine's (longer than the pool), then the hybrid engine's (its batch: every schedule on a
-    model with sliding-window layers beside full-attention ones)."""
+    """One engine process, four configurations in turn: the default engine's (a request of every kind of the mixed
+    batch), the bounded engine's (longer than the pool), the hybrid engine's (its batch: every schedule on a model
+    with sliding-window layers beside full-attention ones), then the prefix-cache engine's (a document's questions
+    sent at once, sharing its compressed prefix: async scheduling directs a compaction before the one before it is
+    confirmed)."""
     ids = token_ids()
     rows = [row.prompt(ids) for row in ASYNC_ROWS]
     bounded = [
@@ -101,7 +103,19 @@ def async_scheduling_job(tmp_path_factory) -> background.Job:
     job["then"] = {**engine_job("bounded", True, bounded_prompts(ids), bounded, ids), "count_preemptions": True}
     hybrid = [row.prompt(ids) for row in HYBRID_ROWS]
     job["then"]["then"] = engine_job("hybrid", True, hybrid, job_requests(HYBRID_ROWS), ids)
+    prompts, requests = shared_document_batch(ids)
+    job["then"]["then"]["then"] = engine_job("prefix_cache", True, prompts, requests, ids)
     return engine_process_job(tmp_path_factory.mktemp("async-scheduling"), **job)
+
+
+def shared_document_batch(ids: list[int]) -> tuple[list[list[int]], list[dict]]:
+    """A 640-token document asked three questions compressed after every 128-token chunk and one uncompressed, all at
+    once (the async engine's prefix-cache batch)."""
+    document = ids[100:740]
+    prompts = [document + ids[800 + 100 * i : 880 + 100 * i] for i in range(4)]
+    chunked = {"max_tokens": 12, "ignore_eos": True, "options": {"compression_chunk_size": 128}}
+    whole = {"max_tokens": 12, "ignore_eos": True, "options": {"compression_ratio": 0.0}}
+    return prompts, [chunked, chunked, chunked, whole]
 
 
 @pytest.mark.background("async-scheduling")
@@ -150,6 +164,28 @@ def test_async_scheduling_on_a_hybrid_model(hybrid_batch, background_job):
     result = result_of(background_job)["then"]["then"]
     assert "CriticalKVAsyncScheduler" in result["scheduler"] and result["tracked"] == [0]
     assert result["tokens"] == [hybrid_batch[row.name].tokens for row in HYBRID_ROWS]
+
+
+@pytest.mark.background("async-scheduling")
+def test_async_scheduling_shares_a_compressed_prefix(engine, prompt_ids, background_job):
+    """A document's questions sent at once to the prefix-cache engine with async scheduling: the second and third
+    compressed questions wait for the first to keep the document's compressed state and start from it (640 tokens),
+    although each of its compactions is directed before the one before it is confirmed; the uncompressed question
+    shares the first's blocks as they are prefilled. Every answer is the one of the engine without prefix caching."""
+    from vllm import SamplingParams
+
+    result = result_of(background_job)["then"]["then"]["then"]
+    assert "CriticalKVAsyncScheduler" in result["scheduler"] and result["tracked"] == [0]
+    prompts, requests = shared_document_batch(prompt_ids)
+    params = [
+        SamplingParams(
+            max_tokens=r["max_tokens"], temperature=0, ignore_eos=True, extra_args={"kvpress_critical": r["options"]}
+        )
+        for r in requests
+    ]
+    outputs = engine.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert result["tokens"] == [list(o.outputs[0].token_ids) for o in outputs]
+    assert result["cached"][:3] == [0, 640, 640] and result["cached"][3] > 0
 
 
 TP_REQUESTS = [
