@@ -117,9 +117,17 @@ MUTANTS = (
     ),
     Mutant(
         "prefix-cache-keeps-a-rewritten-hash", "scheduler", f"{PLUGIN}/prefix_cache.py",
-        "        self.metrics.unhashed(unhash_blocks(scheduler, request_id, first, end, group))",
+        "        self.metrics.unhashed(unhash_blocks(scheduler, request_id, first, end, group, skip=skip))",
         "        self.metrics.unhashed(0)",
         "a hash left on a rewritten block: a later request with the same prefix is served the compacted entries",
+        plugin_tests("prefix_cache"),
+    ),
+    Mutant(
+        "prefix-cache-writes-a-kept-prefix-in-place", "scheduler", f"{PLUGIN}/prefix_cache.py",
+        "                and (index < protected_end or block.ref_cnt > 1 or self.prefixes.holds(block))",
+        "                and (index < protected_end or block.ref_cnt > 1)",
+        "a kept compressed prefix held by one request is written in place by its next compaction: the prefix is lost "
+        "(or, were its hash kept, served rewritten)",
         plugin_tests("prefix_cache"),
     ),
     Mutant(
