@@ -124,8 +124,8 @@ MUTANTS = (
     ),
     Mutant(
         "prefix-cache-writes-a-kept-prefix-in-place", "scheduler", f"{PLUGIN}/prefix_cache.py",
-        "                and (index < protected_end or block.ref_cnt > 1 or self.prefixes.holds(block))",
-        "                and (index < protected_end or block.ref_cnt > 1)",
+        "                if index < protected_end or block.ref_cnt > 1 or self.prefixes.holds(block)",
+        "                if index < protected_end or block.ref_cnt > 1",
         "a kept compressed prefix held by one request is written in place by its next compaction: the prefix is lost "
         "(or, were its hash kept, served rewritten)",
         plugin_tests("prefix_cache"),

@@ -137,9 +137,7 @@ class CompressedPrefixes:
             stages = tracked.schedule.stages[: tracked.schedule.prompt_stages]
             keys = []
             for index, stage in enumerate(stages):
-                key = (
-                    None if stage.seen % self.block_size else self.key(scheduler, request, tracked.options, stage.seen)
-                )
+                key = self.key(scheduler, request, tracked.options, stage.seen)  # None off a block boundary
                 if key is not None:
                     keys.append((index, stage, key))
             tracked.prefix_keys = keys
@@ -163,10 +161,8 @@ class CompressedPrefixes:
         return None
 
     def keep(self, scheduler, request, options: CompressionOptions, plan: Eviction) -> bool:
-        """After a confirmed prompt compaction at a block boundary: its blocks enter the index under the plugin's
-        hashes. Whether a new prefix was kept."""
-        if plan.phase != "prompt" or plan.seen % self.block_size:
-            return False
+        """After a confirmed prompt compaction at a block boundary (:meth:`PrefixCacheGuard.keepable`): its blocks
+        enter the index under the plugin's hashes. Whether a new prefix was kept."""
         key = self.key(scheduler, request, options, plan.seen)
         if key is None or self.blocks_of(scheduler, key) is not None:  # kept already (by a request at once)
             return False
@@ -185,13 +181,18 @@ class CompressedPrefixes:
 
 @dataclass
 class Redirect:
-    """Blocks a directed compaction writes instead of the shared ones at their indices: ``(index, old, fresh)``."""
+    """Fresh blocks a directed compaction writes instead of the request's blocks at their indices:
+    ``(index, fresh)``."""
 
-    blocks: list[tuple[int, object, object]]
+    blocks: list[tuple[int, object]]
+
+    @property
+    def fresh(self) -> list:
+        return [block for _, block in self.blocks]
 
     @property
     def pairs(self) -> tuple[tuple[int, int], ...]:
-        return tuple((index, fresh.block_id) for index, _, fresh in self.blocks)
+        return tuple((index, block.block_id) for index, block in self.blocks)
 
 
 class PrefixCacheGuard:
@@ -249,7 +250,7 @@ class PrefixCacheGuard:
 
     def keep(self, scheduler, request, options: CompressionOptions, plan: Eviction) -> None:
         """A confirmed compaction: keep its state as a compressed prefix when it may be shared."""
-        if self.shares(options):
+        if self.keepable(options, plan):
             self.prefixes.keep(scheduler, request, options, plan)
 
     def waits(self, scheduler, request, tracked, producers: dict) -> bool:
@@ -298,23 +299,21 @@ class PrefixCacheGuard:
         first, end = plan.evicted // plan.block_size, blocks_for(plan.seen, plan.block_size)
         group = scheduler.kvpress_group  # the compressed group: the others' blocks are not rewritten
         protected_end = min(end, protect // plan.block_size)
+        held = [(index, block_at(scheduler, request_id, index, group)) for index in range(first, end)]
+        held = [(index, block) for index, block in held if not block.is_null]
         redirect = None
         if self.share:
-            keep = [
-                (index, block)
-                for index in range(first, end)
-                if not (block := block_at(scheduler, request_id, index, group)).is_null
-                and (index < protected_end or block.ref_cnt > 1 or self.prefixes.holds(block))
+            # every block another request holds is among these: with a redirect, none is written
+            indices = [
+                index
+                for index, block in held
+                if index < protected_end or block.ref_cnt > 1 or self.prefixes.holds(block)
             ]
-            if keep and len(keep) <= free_blocks(scheduler):
-                fresh = take_free_blocks(scheduler, len(keep))
-                redirect = Redirect([(index, old, new) for (index, old), new in zip(keep, fresh)])
-        skip = {index for index, _, _ in redirect.blocks} if redirect else set()
-        held = [(index, block_at(scheduler, request_id, index, group)) for index in range(first, end)]
-        shared = sum(not block.is_null and block.ref_cnt > 1 for index, block in held if index not in skip)
+            if indices and len(indices) <= free_blocks(scheduler):
+                redirect = Redirect(list(zip(indices, take_free_blocks(scheduler, len(indices)))))
+        skip = {index for index, _ in redirect.blocks} if redirect else set()
+        shared = sum(block.ref_cnt > 1 for index, block in held if index not in skip)
         if shared:
-            if redirect is not None:
-                give_back_blocks(scheduler, [new for _, _, new in redirect.blocks])
             return (
                 f"{shared} of the blocks its compaction would rewrite are shared with another request through vLLM's "
                 "prefix cache",

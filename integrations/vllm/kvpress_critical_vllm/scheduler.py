@@ -211,7 +211,7 @@ class CompressingSchedulerMixin:
         if not super()._handle_blocked_waiting_request(request):
             return False
         tracked = self._kvpress.get(request.request_id)
-        if tracked is None or not self._kvpress_prefix.share:
+        if tracked is None or request.num_computed_tokens or not self._kvpress_prefix.shares(tracked.options):
             return True
         # running requests, and preempted ones (rescheduled first, from their own kept prefixes): the index of the
         # first compaction each has not confirmed in its current life
@@ -349,7 +349,7 @@ class CompressingSchedulerMixin:
         changed in part were forgotten by :meth:`update_from_output`, which ends them)."""
         for request_id, directive in directives.compact.items():
             redirect = self._kvpress_redirects.pop((request_id, directive.eviction.seen), None)
-            fresh = [new for _, _, new in redirect.blocks] if redirect is not None else []
+            fresh = redirect.fresh if redirect is not None else []
             request = self.requests.get(request_id)
             tracked = self._kvpress.get(request_id)
             if request is None or tracked is None or request.is_finished():
@@ -369,7 +369,7 @@ class CompressingSchedulerMixin:
                 continue  # preempted since the directive was sent: its blocks were all freed, it is redone later
             if redirect is not None:  # the workers wrote the fresh blocks: the shared ones go back as they were
                 group = self.kvpress_group
-                give_back_blocks(self, [swap_block(self, request_id, i, new, group) for i, _, new in redirect.blocks])
+                give_back_blocks(self, [swap_block(self, request_id, i, new, group) for i, new in redirect.blocks])
             self._free_evicted(request, tracked, directive.eviction, done)
             if directive.eviction.seen not in tracked.unkept:  # not written in place by a later compaction
                 self._kvpress_prefix.keep(self, request, tracked.options, directive.eviction)

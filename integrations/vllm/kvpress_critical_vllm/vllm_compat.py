@@ -89,7 +89,6 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.worker.gpu_input_batch", "InputBatch.block_table", "attribute"),
     ("vllm.v1.worker.gpu_input_batch", "CachedRequestState.block_ids", "attribute"),
     ("vllm.v1.worker.block_table", "BlockTable.block_table", "attribute"),
-    ("vllm.v1.worker.block_table", "BlockTable.block_size", "attribute"),
     ("vllm.v1.request", "Request", "class"),
     ("vllm.v1.request", "RequestStatus", "class"),
     *_attributes(
@@ -229,12 +228,6 @@ def skip_prefix_cache_reads(request) -> None:
     request.skip_reading_prefix_cache = True
 
 
-def shared_blocks(scheduler, request_id: str, first_block: int, end_block: int, group: int = 0) -> int:
-    """Blocks ``first_block .. end_block - 1`` of a request in group ``group`` that another request holds too (a
-    prefix-cache hit)."""
-    return sum(block.ref_cnt > 1 for block in real_blocks(scheduler, request_id, first_block, end_block, group))
-
-
 def unhash_blocks(
     scheduler, request_id: str, first_block: int, end_block: int, group: int = 0, skip: set[int] = frozenset()
 ) -> int:
@@ -305,9 +298,8 @@ def adopt_blocks(scheduler, request_id: str, group: int, skipped: int, blocks: l
     whose first blocks a compaction freed: the blocks are referenced (out of the free queue), none of its blocks
     enters the index by its token hashes, and vLLM's allocation then adds only the blocks of its next tokens."""
     manager = managers(scheduler)[group]
-    pool = scheduler.kv_cache_manager.block_pool
-    pool.touch(blocks)
-    manager.req_to_blocks[request_id] = [pool.null_block] * skipped + list(blocks)
+    hold_blocks(scheduler, blocks)
+    manager.req_to_blocks[request_id] = [scheduler.kv_cache_manager.block_pool.null_block] * skipped + list(blocks)
     manager.num_cached_block[request_id] = NEVER_CACHED
 
 
@@ -369,14 +361,12 @@ def requests_starting_over(scheduler_output) -> set[str]:
     return gone
 
 
-def replace_block_ids(runner, request_id: str, group: int, replaced: dict[int, int], block_size: int) -> None:
+def replace_block_ids(runner, request_id: str, group: int, replaced: dict[int, int]) -> None:
     """Write ``replaced`` (block index -> block id) into a request's block table on this worker, in group ``group``:
-    the batch's row (read from the next step on) and the request's state (a row rebuilt from it later)."""
-    state = runner.requests[request_id]
-    ids = state.block_ids[group]
+    the batch's row (read from the next step on) and the request's state (a row rebuilt from it later). Kernel blocks
+    are the cache's blocks: the worker refuses any other layout at start-up."""
+    ids = runner.requests[request_id].block_ids[group]
     table = runner.input_batch.block_table[group]
-    if table.block_size != block_size:
-        raise ValueError(f"a block table of {table.block_size}-token kernel blocks, not the pool's {block_size}")
     row = runner.input_batch.req_id_to_index.get(request_id)
     for index, block_id in replaced.items():
         ids[index] = block_id

@@ -176,7 +176,7 @@ class WorkerState:
         for job, kept in outcome.written:
             request_id, evict = job.directive.request_id, job.directive.eviction
             if job.directive.redirect:  # written into fresh blocks: the request's table points at them from now on
-                replace_block_ids(self.runner, request_id, self.group, dict(job.directive.redirect), self.block_size)
+                replace_block_ids(self.runner, request_id, self.group, dict(job.directive.redirect))
             if job.directive.options.head_wise:
                 counts = torch.stack([mask.sum(dim=1) for mask in kept.values()])  # (L, H_kv), the pinned tail in
                 pinned = evict.seen - evict.boundary
