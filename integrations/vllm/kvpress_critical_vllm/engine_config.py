@@ -117,13 +117,12 @@ def check_engine_config(vllm_config, cudagraph_requested: bool = True) -> Compre
             )
         if model.is_encoder_decoder:
             raise _refuse("encoder-decoder models keep a cross-attention cache", "Serve a decoder-only model")
-        if model.is_hybrid or model.is_attention_free:
+        if model.is_attention_free:
             raise _refuse(
-                "linear-attention, Mamba and attention-free layers keep a recurrent state per request (or no KV "
-                "cache), which no eviction of entries applies to; the plugin compresses full-attention layers, alone "
-                "or beside sliding-window ones",
-                "Serve a model whose layers are full or sliding-window attention (Llama, Qwen2/3, Phi-3, Gemma 3, "
-                "Mistral), or vLLM without the plugin",
+                "the model has no attention layer (Mamba and other attention-free models keep a recurrent state per "
+                "request and no KV cache), so there are no entries to evict; the plugin compresses full-attention "
+                "layers, alone or beside sliding-window and linear-attention ones",
+                "Serve the model with vLLM without the plugin",
             )
         types = getattr(model.hf_text_config, "layer_types", None) or ()
         if model.get_sliding_window() is not None and all(kind == "sliding_attention" for kind in types):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
 from kvpress_critical_vllm.budget import hold_bound
 from kvpress_critical_vllm.options import CompressionOptions
@@ -51,15 +51,21 @@ def bounded_specs(specs: dict[str, KVCacheSpec], options: CompressionOptions, ma
     return bounded
 
 
+# the kinds of recurrent state beside full attention the plugin's tests serve (vLLM's MambaAttentionBackendEnum names):
+# Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5)
+SERVED_STATE_KINDS = ("GDN_ATTN",)
+
+
 def compressed_group(groups: list, longer_than_pool: bool = False, tensor_parallel_size: int = 1) -> int:
     """
     The index of the KV-cache group the plugin compresses among vLLM's ``kv_cache_groups``: the one group of
     full-attention layers. Beside it, groups of sliding-window layers (Gemma 3, gpt-oss-style alternation, Llama or
     Mistral with ``layer_types``) are left to vLLM's sliding-window manager, which already frees what leaves their
-    window; they hold a window per request, the full-attention group the rest. Any other layout is an
-    :class:`~kvpress_critical_vllm.engine_config.EngineConfigError` naming it, as is a ``max_model_len`` longer than
-    the pool (``longer_than_pool``) beside sliding-window groups, whose blocks the bound of a request does not count,
-    and tensor parallelism beside them (not yet run together).
+    window, and groups of linear-attention layers (Gated DeltaNet: Qwen3-Next, Qwen3.5) to vLLM's Mamba manager, which
+    keeps one recurrent state per request; they hold a window or a state per request, the full-attention group the
+    rest. Any other layout is an :class:`~kvpress_critical_vllm.engine_config.EngineConfigError` naming it, as is a
+    ``max_model_len`` longer than the pool (``longer_than_pool``) beside other groups, whose blocks the bound of a
+    request does not count, and tensor parallelism beside them (not yet run together).
     """
     from kvpress_critical_vllm.engine_config import EngineConfigError
 
@@ -67,20 +73,35 @@ def compressed_group(groups: list, longer_than_pool: bool = False, tensor_parall
     names = ", ".join(kind.__name__ for kind in kinds) or "none"
     full = [index for index, kind in enumerate(kinds) if kind in (FullAttentionSpec, CompressedFullAttentionSpec)]
     others = [kind.__name__ for kind in kinds if kind not in (FullAttentionSpec, CompressedFullAttentionSpec)]
-    unsupported = sorted({name for name in others if name != SlidingWindowSpec.__name__})
+    unsupported = sorted({name for name in others if name not in (SlidingWindowSpec.__name__, MambaSpec.__name__)})
     if unsupported:
         raise EngineConfigError(
             f"kvpress_critical cannot compress with this engine: the model's KV cache has groups of {names}, and the "
-            f"plugin compresses full-attention layers beside sliding-window ones only ({', '.join(unsupported)} keep "
-            "another kind of state, which no eviction of entries applies to). Serve a model whose layers are full "
-            "or sliding-window attention, or vLLM without the plugin."
+            "plugin compresses full-attention layers beside sliding-window and linear-attention ones only "
+            f"({', '.join(unsupported)} keep another kind of state, which no eviction of entries applies to). Serve "
+            "a model whose layers are full, sliding-window or Gated DeltaNet attention, or vLLM without the plugin."
         )
-    if not full:
+    states = sorted(
+        {_state_kind(group.kv_cache_spec) for group in groups if isinstance(group.kv_cache_spec, MambaSpec)}
+        - set(SERVED_STATE_KINDS)
+    )
+    if states:
+        raise EngineConfigError(
+            f"kvpress_critical does not compress a model with {', '.join(states)} layers yet: the plugin leaves "
+            "recurrent layers to vLLM and compresses the full-attention ones, which its tests run beside Gated "
+            "DeltaNet linear attention (GDN_ATTN: Qwen3-Next, Qwen3.5) only. Serve it with vLLM without the plugin."
+        )
+    if not full and SlidingWindowSpec.__name__ in others:
         raise EngineConfigError(
             f"kvpress_critical cannot compress with this engine: every attention layer is sliding-window ({names}), "
             "so each request already holds at most its window; there is no full-attention layer to compress. Serve "
             "the model without the plugin, or as full attention with disable_sliding_window=True "
             "(--disable-sliding-window)."
+        )
+    if not full:
+        raise EngineConfigError(
+            f"kvpress_critical cannot compress with this engine: no layer is full attention ({names}), so a request "
+            "holds a fixed state and no entries to evict. Serve the model with vLLM without the plugin."
         )
     windowed = [index for index in full if getattr(groups[index].kv_cache_spec, "sliding_window", None) is not None]
     if windowed:
@@ -99,27 +120,30 @@ def compressed_group(groups: list, longer_than_pool: bool = False, tensor_parall
     if longer_than_pool and len(groups) > 1:
         raise EngineConfigError(
             "kvpress_critical cannot serve a max_model_len longer than the KV pool with this model: its "
-            "sliding-window layers hold blocks beside the compressed full-attention ones, which the bound a "
+            "sliding-window or linear-attention layers hold blocks beside the compressed full-attention ones, which "
+            "the bound a "
             "compressed request holds does not count yet. Set max_model_len within the pool (or a larger pool), "
             "or drop the engine-wide compression_chunk_size / compression_interval that bound requests."
         )
     if tensor_parallel_size > 1 and len(groups) > 1:
         raise EngineConfigError(
-            f"kvpress_critical does not compress a model with sliding-window layers over {tensor_parallel_size} "
+            "kvpress_critical does not compress a model with sliding-window or linear-attention layers over "
+            f"{tensor_parallel_size} "
             "tensor-parallel ranks yet (not tested together). Serve it with tensor_parallel_size=1, or vLLM without "
             "the plugin."
         )
     return full[0]
 
 
-def window_blocks(groups: list, compressed: int, vllm_config) -> Callable[[int], int]:
+def companion_blocks(groups: list, compressed: int, vllm_config) -> Callable[[int], int]:
     """``blocks(tokens)``: the blocks a request of ``tokens`` tokens holds at most in the groups other than
-    ``compressed`` (sliding-window groups: vLLM's own admission cap of a window, which frees what leaves it), for
-    admission by what a compressed request holds at most."""
-    from kvpress_critical_vllm.vllm_compat import window_admission_blocks
+    ``compressed`` (sliding-window groups: vLLM's own admission cap of a window, which frees what leaves it;
+    linear-attention groups: the blocks of a request's recurrent state), for admission by what a compressed request
+    holds at most."""
+    from kvpress_critical_vllm.vllm_compat import companion_admission_blocks
 
     caps = [
-        (window_admission_blocks(group.kv_cache_spec, vllm_config), group.kv_cache_spec.block_size)
+        (companion_admission_blocks(group.kv_cache_spec, vllm_config), group.kv_cache_spec.block_size)
         for index, group in enumerate(groups)
         if index != compressed
     ]
@@ -128,6 +152,11 @@ def window_blocks(groups: list, compressed: int, vllm_config) -> Callable[[int],
         return sum(min(-(-tokens // size), cap) for cap, size in caps)
 
     return blocks
+
+
+def _state_kind(spec: MambaSpec) -> str:
+    kind = spec.mamba_type
+    return getattr(kind, "name", str(kind))
 
 
 def _fields(spec: FullAttentionSpec) -> dict:

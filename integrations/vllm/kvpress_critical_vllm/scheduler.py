@@ -26,7 +26,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from kvpress_critical_vllm.budget import Eviction, Schedule, blocks_for
-from kvpress_critical_vllm.kv_spec import compressed_group, window_blocks
+from kvpress_critical_vllm.kv_spec import companion_blocks, compressed_group
 from kvpress_critical_vllm.metrics import MetricsWriter
 from kvpress_critical_vllm.options import CompressionOptions, OptionsError, engine_options, resolve_options
 from kvpress_critical_vllm.pool_guard import PoolGuard
@@ -56,7 +56,7 @@ class CompressingSchedulerMixin:
         self.kvpress_options: CompressionOptions = engine_options(self.vllm_config.additional_config)
         groups = self.kv_cache_config.kv_cache_groups
         bounded = any(getattr(group.kv_cache_spec, "max_blocks_held", None) is not None for group in groups)
-        # the full-attention layers; sliding-window groups are vLLM's
+        # the full-attention layers; sliding-window and linear-attention groups are vLLM's
         tp_size = self.vllm_config.parallel_config.tensor_parallel_size
         self.kvpress_group = compressed_group(groups, longer_than_pool=bounded, tensor_parallel_size=tp_size)
         spec = groups[self.kvpress_group].kv_cache_spec
@@ -65,8 +65,9 @@ class CompressingSchedulerMixin:
         self._kvpress_layers = len(groups[self.kvpress_group].layer_names)
         if len(groups) > 1:
             logger.info(
-                "kvpress_critical: compressing the %d full-attention layers of KV-cache group %d; the %d groups of "
-                "sliding-window layers beside it keep their windows, as vLLM frees them",
+                "kvpress_critical: compressing the %d full-attention layers of KV-cache group %d; the %d other groups "
+                "(sliding-window or linear-attention layers) keep their windows or recurrent states, as vLLM manages "
+                "them",
                 self._kvpress_layers, self.kvpress_group, len(groups) - 1,
             )  # fmt: skip
         self._kvpress_kv_heads = spec.num_kv_heads
@@ -97,7 +98,7 @@ class CompressingSchedulerMixin:
             self.kv_cache_config.num_blocks - 1,  # less vLLM's null block
             longer_than_pool=bound is not None,
             reserve_full_isl=self.scheduler_reserve_full_isl,  # vLLM's admission of whole sequences
-            companion_blocks=window_blocks(groups, self.kvpress_group, self.vllm_config),
+            companion_blocks=companion_blocks(groups, self.kvpress_group, self.vllm_config),
         )
 
         if bound is not None:

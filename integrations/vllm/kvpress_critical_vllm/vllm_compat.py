@@ -109,6 +109,9 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.kv_cache_interface", "FullAttentionSpec", "class"),
     ("vllm.v1.kv_cache_interface", "KVCacheSpec", "class"),
     ("vllm.v1.kv_cache_interface", "SlidingWindowSpec", "class"),
+    ("vllm.v1.kv_cache_interface", "MambaSpec", "class"),
+    ("vllm.v1.kv_cache_interface", "MambaSpec.max_memory_usage_bytes", "method(vllm_config)"),
+    ("vllm.v1.kv_cache_interface", "MambaSpec.mamba_type", "attribute"),
     (
         "vllm.v1.kv_cache_interface",
         "SlidingWindowSpec.max_admission_blocks_per_request",
@@ -207,9 +210,15 @@ def remove_blocks(scheduler, request_id: str, first_token: int, end_token: int, 
     manager._remove_blocks_in_range(request_id, first_token // manager.block_size, end_token // manager.block_size)
 
 
-def window_admission_blocks(spec, vllm_config) -> int:
-    """The most blocks a request holds in a sliding-window group (``spec``), as vLLM admits requests: the window,
-    the tokens in flight and one block for a window that starts inside one."""
+def companion_admission_blocks(spec, vllm_config) -> int:
+    """The most blocks a request holds in a KV-cache group the plugin does not compress (``spec``), as vLLM admits
+    requests: in a sliding-window group, the window, the tokens in flight and one block for a window that starts inside
+    one; in a linear-attention (Mamba) group, its recurrent state's blocks (one, more with speculative decoding or
+    when vLLM's prefix cache keeps states at block boundaries: ``mamba_cache_mode`` "align")."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    if isinstance(spec, MambaSpec):
+        return spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes
     max_model_len = vllm_config.model_config.max_model_len
     return spec.max_admission_blocks_per_request(vllm_config.max_in_flight_tokens, max_model_len)
 

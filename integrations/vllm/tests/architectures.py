@@ -54,21 +54,30 @@ def configs() -> dict:
                 layer_types=_alternating(2, 2),
             ),
         ),
+        # Qwen3-Next: linear attention (Gated DeltaNet) in three layers of four, gated full attention in the fourth,
+        # mixture-of-experts MLPs. vLLM's CPU build runs the linear layers in bfloat16 with heads of 128 dimensions
+        # only; full-attention heads of 256 dimensions (Qwen3-Next's own) and 4 KV heads make a 32-token block's page
+        # cover a linear layer's state, so that vLLM keeps 32-token blocks
         "qwen3_next": (
             "Qwen3NextConfig",
             dict(
                 num_hidden_layers=4,
                 full_attention_interval=4,
-                linear_num_key_heads=2,
-                linear_num_value_heads=2,
-                linear_key_head_dim=32,
-                linear_value_head_dim=32,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                head_dim=256,
+                linear_num_key_heads=1,
+                linear_num_value_heads=1,
+                linear_key_head_dim=128,
+                linear_value_head_dim=128,
                 num_experts=4,
                 num_experts_per_tok=2,
                 moe_intermediate_size=128,
                 shared_expert_intermediate_size=128,
             ),
         ),
+        # attention-free (Mamba): no KV cache, refused
+        "mamba": ("MambaConfig", dict(num_hidden_layers=2, state_size=16, expand=2)),
     }
 
 

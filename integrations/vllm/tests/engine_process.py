@@ -3,9 +3,12 @@
 ``python engine_process.py JOB.json`` reads ``{"engine": LLM kwargs, "plugin": options, "prompts": [[ids]],
 "requests": [{"options": {option: value}, "max_tokens": int, "ignore_eos": bool}], "async_scheduling": bool}`` (one
 request per prompt: its own plugin options and sampling) and writes ``JOB.json.out``: the greedy tokens, the
-selections recorded by each rank (after each request's last compaction), the prompt tokens each took from a prefix
-cache, the scheduler class, how many compactions
-each rank did and how many requests each rank still tracks once the batch is done (0: nothing left behind). A job
+selections recorded by each rank (after each request's last compaction, and after each one), the prompt tokens each
+took from a prefix cache, the scheduler class, how many compactions
+each rank did and how many requests each rank still tracks once the batch is done (0: nothing left behind). Where the
+engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in the job's environment), the result also
+holds each request's compression record and the pool's state once the batch is done (blocks in use, requests
+holding blocks: the idle-pool check of the in-process engines). A job
 may hold a ``"then"`` job: another engine configuration, started once the first is shut down (its result under
 ``"then"``), so that one process serves several configurations. With ``"count_preemptions": true`` the engine keeps
 its statistics and the result holds how many times vLLM preempted a request (``vllm:num_preemptions``).
@@ -69,24 +72,56 @@ def serve_job(llm, job: dict) -> dict:
     if job.get("count_preemptions"):
         preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     by_rank = llm.collective_rpc("kvpress_critical_selections")
+    stages_by_rank = llm.collective_rpc("kvpress_critical_stage_selections")
     order = {o.request_id: i for i, o in enumerate(outputs)}
+
+    def per_prompt(rank: dict, missing):
+        return [
+            next((value for key, value in rank.items() if order.get(key.rpartition("-")[0]) == i), missing)
+            for i in range(len(outputs))
+        ]
+
     # one more step: the workers learn which requests finished with the next step's scheduler output
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1))
     return {
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "cached": [o.num_cached_tokens or 0 for o in outputs],  # prompt tokens taken from a prefix cache
         # per rank, per prompt (in order): {layer: [[positions] per local KV head]}, or None (never compacted)
-        "selections": [
-            [
-                next((layers for key, layers in rank.items() if order.get(key.rpartition("-")[0]) == i), None)
-                for i in range(len(outputs))
-            ]
-            for rank in by_rank
-        ],
+        "selections": [per_prompt(rank, None) for rank in by_rank],
+        # per rank, per prompt: [{"seen": tokens, "kept": {layer: [[positions] per local KV head]}} per compaction]
+        "stages": [per_prompt(rank, []) for rank in stages_by_rank],
         "scheduler": str(llm.llm_engine.vllm_config.scheduler_config.scheduler_cls),
         "compacted": llm.collective_rpc("kvpress_critical_compacted"),
         "tracked": llm.collective_rpc("kvpress_critical_tracked"),
         "preemptions": preemptions,
+        **_in_process_state(llm, order),
+    }
+
+
+def _in_process_state(llm, order: dict) -> dict:
+    """Each prompt's compression record (or None) and the pool's state, where the engine core runs in this process;
+    nothing otherwise."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        return {}
+    import dataclasses
+
+    scheduler = core.scheduler
+    records = [None] * len(order)
+    for key, record in scheduler.kvpress_records.items():
+        index = order.get(key.rpartition("-")[0])
+        if index is not None:
+            records[index] = dataclasses.asdict(record)
+    pool = scheduler.kv_cache_manager.block_pool
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    return {
+        "records": records,
+        "groups": [type(group.kv_cache_spec).__name__ for group in scheduler.kv_cache_config.kv_cache_groups],
+        "compressed_group": scheduler.kvpress_group,
+        "compressed_layers": list(scheduler.kv_cache_config.kv_cache_groups[scheduler.kvpress_group].layer_names),
+        "blocks_in_use": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),  # vLLM's null block aside
+        "requests_holding_blocks": sorted(rid for m in managers for rid, blocks in m.req_to_blocks.items() if blocks),
+        "requests_the_scheduler_tracks": scheduler.kvpress_tracked_requests,
     }
 
 

@@ -88,8 +88,10 @@ def sliding_window(model) -> int | None:
 
 
 def new_cache(model) -> DynamicCache:
-    """An empty cache: a hybrid model's sliding-window layers hold their window, as vLLM's sliding-window groups do."""
-    return DynamicCache(config=model.config) if sliding_window(model) else DynamicCache()
+    """An empty cache: a hybrid model's sliding-window layers hold their window, as vLLM's sliding-window groups do,
+    and its linear-attention layers their recurrent state."""
+    types = set(getattr(model.config, "layer_types", None) or ())
+    return DynamicCache(config=model.config) if types - {"full_attention"} else DynamicCache()
 
 
 def _held(cache, index: int) -> int:

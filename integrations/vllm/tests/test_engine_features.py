@@ -24,9 +24,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def engine_process_job(folder: Path, **job) -> background.Job:
-    """``engine_process.py`` on ``job`` (an engine in its own processes), as a background job writing into
-    ``folder``."""
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", **job.pop("env", {}))
+    """``engine_process.py`` on ``job`` (an engine in its own processes, unless the job's ``env`` sets
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as a background job writing into ``folder``."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **job.pop("env", {})}
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "job.json").write_text(json.dumps(job))
     command = [sys.executable, str(HERE / "engine_process.py"), str(folder / "job.json")]

@@ -4,8 +4,9 @@ its answers equal to transformers' keeping the same entries in its full-attentio
 Served: Qwen2, Qwen3, Phi-3 (fused QKV) and Gemma 3 (five sliding-window layers per full-attention one in Gemma 3
 itself; two here), each with a uniform and a head-wise press in one batch; Qwen3-MoE with a uniform press in an engine
 process of its own. Refused: Gemma 2 (a logits soft cap) and gpt-oss (attention sinks) when the worker checks their
-layers, in that process; Qwen3-Next (linear attention) when the engine's configuration is built. Llama is the rest of
-the suite's model; Mistral with a sliding window in every layer is refused in test_refusals.py. Each served model is
+layers, in that process; an attention-free model (Mamba) when the engine's configuration is built. Qwen3-Next
+(linear attention beside full attention) is served in test_linear_attention.py. Llama is the rest of the suite's
+model; Mistral with a sliding window in every layer is refused in test_refusals.py. Each served model is
 one more in-process engine (a few seconds each): the complete tier.
 """
 
@@ -109,14 +110,14 @@ def test_mixture_of_experts_models_are_served_and_sinks_and_soft_caps_refuse(tmp
         assert f"it uses {expected}" in refusal, refusal
 
 
-def test_linear_attention_hybrids_refuse_when_the_configuration_is_built(tmp_path_factory):
+def test_attention_free_models_refuse_when_the_configuration_is_built(tmp_path_factory):
     from kvpress_critical_vllm.engine_config import EngineConfigError
     from vllm.engine.arg_utils import EngineArgs
 
-    path = tiny_model("qwen3_next", tmp_path_factory)
+    path = tiny_model("mamba", tmp_path_factory)
     args = EngineArgs(
         model=path, dtype="float32", enforce_eager=True, max_model_len=1024, block_size=32,
         additional_config={"kvpress_critical": {"compression_ratio": 0.5}},
     )  # fmt: skip
-    with pytest.raises(EngineConfigError, match="linear-attention, Mamba and attention-free layers keep a recurrent"):
+    with pytest.raises(EngineConfigError, match="the model has no attention layer"):
         args.create_engine_config()

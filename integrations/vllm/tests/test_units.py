@@ -726,20 +726,23 @@ def test_the_vllm_surface_the_plugin_relies_on_is_there():
 
 # ---------------------------------------------------------------------------------------------- hybrid KV-cache groups
 def _group(kind: str, window: int | None = None):
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     shape = dict(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    state = dict(block_size=32, shapes=((4, 4),), dtypes=(torch.float32,))
     spec = {
         "full": lambda: FullAttentionSpec(**shape, sliding_window=window),
         "sliding": lambda: SlidingWindowSpec(**shape, sliding_window=window),
-        "mamba": lambda: MambaSpec(block_size=32, shapes=((4, 4),), dtypes=(torch.float32,)),
+        "mamba": lambda: MambaSpec(**state, mamba_type=MambaAttentionBackendEnum.MAMBA2),
+        "linear": lambda: MambaSpec(**state, mamba_type=MambaAttentionBackendEnum.GDN_ATTN),
     }[kind]()
     return SimpleNamespace(kv_cache_spec=spec, layer_names=[f"{kind}.{window}"])
 
 
 @pytest.mark.parametrize(
     "kinds,index",
-    [(["full"], 0), (["sliding", "sliding", "full"], 2), (["full", "sliding"], 0)],
+    [(["full"], 0), (["sliding", "sliding", "full"], 2), (["full", "sliding"], 0), (["linear"] * 3 + ["full"], 3)],
 )
 def test_the_plugin_compresses_the_one_full_attention_group(kinds, index):
     from kvpress_critical_vllm.kv_spec import compressed_group
@@ -752,7 +755,10 @@ def test_the_plugin_compresses_the_one_full_attention_group(kinds, index):
     "groups,mode,message",
     [
         ([("sliding", 128), ("sliding", 128)], {}, "every attention layer is sliding-window"),
-        ([("full", None), ("mamba", None)], {}, "MambaSpec keep another kind of state"),
+        ([("full", None), ("mamba", None)], {}, "with MAMBA2 layers yet"),
+        ([("linear", None), ("linear", None)], {}, "no layer is full attention"),
+        ([("linear", None), ("full", None)], {"longer_than_pool": True}, "max_model_len longer than the KV pool"),
+        ([("linear", None), ("full", None)], {"tensor_parallel_size": 2}, "over 2 tensor-parallel ranks"),
         ([("full", None), ("full", None), ("sliding", 64)], {}, "into 2 KV-cache groups"),
         ([("full", 128)], {}, "Unset disable_hybrid_kv_cache_manager"),
         ([("full", None), ("sliding", 64)], {"longer_than_pool": True}, "max_model_len longer than the KV pool"),
@@ -766,20 +772,36 @@ def test_kv_cache_groups_the_plugin_cannot_compress_refuse(groups, mode, message
     with pytest.raises(EngineConfigError, match=message):
         compressed_group([_group(kind, window) for kind, window in groups], **mode)
     if mode:  # the same groups in the default mode are served
-        assert compressed_group([_group(kind, window) for kind, window in groups]) == 0
+        served = compressed_group([_group(kind, window) for kind, window in groups])
+        assert groups[served][0] == "full"
     if mode.get("tensor_parallel_size"):  # a model of full-attention layers only is served over several ranks
         assert compressed_group([_group("full")], **mode) == 0
 
 
 def test_a_sliding_window_group_holds_vllms_admission_cap_at_most():
-    from kvpress_critical_vllm.kv_spec import window_blocks
+    from kvpress_critical_vllm.kv_spec import companion_blocks
 
     config = SimpleNamespace(max_in_flight_tokens=64, model_config=SimpleNamespace(max_model_len=2048))
     groups = [_group("sliding", 128), _group("full"), _group("sliding", 128)]
-    blocks = window_blocks(groups, 1, config)
+    blocks = companion_blocks(groups, 1, config)
     cap = -(-(128 - 1 + 64) // 32) + 1  # vLLM's: the window, the tokens in flight, one block for an unaligned start
     assert [blocks(n) for n in (1, 32, 33, 100, 4096)] == [2, 2, 4, 2 * 4, 2 * cap]
-    assert window_blocks([_group("full")], 0, config)(4096) == 0
+    assert companion_blocks([_group("full")], 0, config)(4096) == 0
+
+
+@pytest.mark.parametrize("mode,held", [("none", 1), ("align", 2)])
+def test_a_linear_attention_group_holds_its_states_blocks(mode, held):
+    """A linear-attention layer's state: one block a request, two where vLLM's prefix cache keeps states at block
+    boundaries (``mamba_cache_mode`` "align"), whatever the request's length."""
+    from kvpress_critical_vllm.kv_spec import companion_blocks
+
+    config = SimpleNamespace(
+        max_in_flight_tokens=64,
+        model_config=SimpleNamespace(max_model_len=2048),
+        cache_config=SimpleNamespace(mamba_cache_mode=mode),
+    )
+    blocks = companion_blocks([_group("linear"), _group("linear"), _group("full")], 2, config)
+    assert [blocks(n) for n in (1, 32, 33, 4096)] == [2, 2, 2 * held, 2 * held]
 
 
 def test_admission_counts_the_sliding_window_groups_beside_the_compressed_one():

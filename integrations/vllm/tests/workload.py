@@ -101,6 +101,10 @@ FP8_ROWS = tuple(replace(row, name=row.name.replace("hybrid/", "fp8/")) for row 
 )
 
 
+# the linear-attention hybrid's batch (test_linear_attention.py): the hybrid batch on Qwen3-Next
+LINEAR_ROWS = tuple(replace(row, name=row.name.replace("hybrid/", "linear/")) for row in HYBRID_ROWS)
+
+
 def rows_of(kind: str) -> list[Row]:
     return [row for row in ROWS if row.kind == kind]
 
