@@ -38,6 +38,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -98,7 +99,7 @@ namespace attn_generic {
 }  // namespace attn_generic
 
 using AttendFn = void (*)(const float*, int64_t, int64_t, const void*, int64_t, const void*, int64_t, int64_t,
-                          const int64_t*, float*, float*, float*, float*);
+                          const int64_t*, float*, float*, float*, float*, float);
 using AttendCodesFn = void (*)(const float*, int64_t, int64_t, const CodeView&, const CodeView&, int64_t, int64_t,
                                float*, float*, float*, float*);
 
@@ -205,7 +206,7 @@ void load_queries(const at::Tensor& query, int64_t b, int64_t kv, int64_t group,
 // Merge the partial results (max, sum, unnormalised output per row, `slot` floats an item) of every segment's items
 // first_item[s] .. first_item[s + 1] - 1 by their log-sum-exp and write out (B, q, H, d); rows that saw nothing: 0.
 void merge_items(const float* part, int64_t slot, const std::vector<int64_t>& first_item, int64_t kv_heads,
-                 at::Tensor& out, float out_scale = 1.0f) {
+                 at::Tensor& out, float out_scale = 1.0f, const float* sinks = nullptr) {
   const int64_t q_len = out.size(1), heads = out.size(2), d = out.size(3), group = heads / kv_heads;
   const int64_t rows = group * q_len, segments = out.size(0) * kv_heads;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "ragged_attention_out", [&] {
@@ -229,6 +230,9 @@ void merge_items(const float* part, int64_t slot, const std::vector<int64_t>& fi
             for (int64_t k = 0; k < d; ++k) row[k] += w * a[k];
           }
         }
+        // a sink (one logit per query head, no value): one more term of the denominator, exp(sink - max); with
+        // nothing visible the row stays 0
+        if (sinks != nullptr && denominator > 0.0f) denominator += std::exp(sinks[kv * group + g] - total_max);
         const float inv = denominator > 0.0f ? out_scale / denominator : 0.0f;
         scalar_t* dst = o + ((b * q_len + i) * heads + kv * group + g) * d;
         for (int64_t k = 0; k < d; ++k) dst[k] = static_cast<scalar_t>(row[k] * inv);
@@ -244,7 +248,7 @@ void merge_items(const float* part, int64_t slot, const std::vector<int64_t>& fi
 template <typename AttendItem>
 at::Tensor run_items(const at::Tensor& query, int64_t kv_heads, const std::vector<Item>& items,
                      const std::vector<int64_t>& first_item, double scale, AttendItem&& attend_item,
-                     float out_scale = 1.0f) {
+                     float out_scale = 1.0f, const float* sinks = nullptr) {
   const int64_t batch = query.size(0), heads = query.size(1), q_len = query.size(2), d = query.size(3);
   const int64_t group = heads / kv_heads, rows = group * q_len;  // problem rows of a segment: r = g * q_len + i
   at::Tensor out = at::empty({batch, q_len, heads, d}, query.options());
@@ -282,7 +286,7 @@ at::Tensor run_items(const at::Tensor& query, int64_t kv_heads, const std::vecto
       attend_item(item, b, kv, qs, m, l, acc, space, last.data(), extra);
     }
   });
-  merge_items(part, slot, first_item, kv_heads, out, out_scale);
+  merge_items(part, slot, first_item, kv_heads, out, out_scale, sinks);
   return out;
 }
 
@@ -335,14 +339,15 @@ at::Tensor attend_items(const at::Tensor& query, const Context& ctx, int64_t n_e
       for (int64_t r = 0; r < rows; ++r) last[r] = tail_len - q_len + r % q_len;
       const char* tk = tk_base + (b * tail_keys.stride(0) + kv * tail_keys.stride(1)) * tsize;
       const char* tv = tv_base + (b * tail_values.stride(0) + kv * tail_values.stride(1)) * tsize;
-      attend_tail(qs, rows, d, tk, tail_keys.stride(2), tv, tail_values.stride(2), tail_len, last, m, l, acc, space);
+      attend_tail(qs, rows, d, tk, tail_keys.stride(2), tv, tail_values.stride(2), tail_len, last, m, l, acc, space,
+                  0.0f);
     } else {
       const int64_t first = cu_ptr[item.segment] + item.begin, n = item.end - item.begin;
       if (ctx.attend_codes != nullptr)
         ctx.attend_codes(qs, rows, d, ctx.k_codes, ctx.v_codes, first, n, m, l, acc, space);
       else
         ctx.attend(qs, rows, d, ctx.k + first * ctx.ldk * ctx.esize, ctx.ldk, ctx.v + first * ctx.ldv * ctx.esize,
-                   ctx.ldv, n, nullptr, m, l, acc, space);
+                   ctx.ldv, n, nullptr, m, l, acc, space, 0.0f);
     }
   });
 }
@@ -481,7 +486,8 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
                                       const at::Tensor& tail_keys, const at::Tensor& tail_values,
                                       const at::Tensor& tail_table_in, const at::Tensor& tail_len_in,
                                       const at::Tensor& key_offsets_in, const at::Tensor& value_offsets_in,
-                                      double scale, double k_scale, double v_scale) {
+                                      double scale, double k_scale, double v_scale, double soft_cap,
+                                      const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 4, "kvpress_critical: query must be (batch, heads, q_len, head_dim), got ", query.sizes());
   const int64_t batch = query.size(0), heads = query.size(1), q_len = query.size(2), d = query.size(3);
   TORCH_CHECK(key_offsets_in.dim() == 3 && key_offsets_in.sizes() == value_offsets_in.sizes() &&
@@ -500,6 +506,17 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
                 "tensor");
   TORCH_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0),
               "kvpress_critical: k_scale / v_scale scale fp8 codes; a float cache's entries are read as they are");
+  TORCH_CHECK(soft_cap >= 0.0 && std::isfinite(soft_cap), "kvpress_critical: soft_cap must be finite and >= 0, got ",
+              soft_cap);
+  const float cap = static_cast<float>(soft_cap);
+  at::Tensor sink_tensor;  // one logit per query head, fp32 (the merge adds exp(sink - max) to each row's sum)
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == heads && sinks->is_floating_point() && sinks->device().is_cpu(),
+                "kvpress_critical: sinks must be a (", heads, ",) float CPU tensor, one logit per query head, got ",
+                sinks->sizes());
+    sink_tensor = sinks->to(at::kFloat).contiguous();
+  }
+  const float* sink_logits = sinks.has_value() ? sink_tensor.const_data_ptr<float>() : nullptr;
   TORCH_CHECK(region_keys.dim() == 3 && region_keys.sizes() == region_values.sizes() && region_keys.size(2) == d &&
                   region_keys.stride(2) == 1 && region_values.stride(2) == 1,
               "kvpress_critical: region keys / values must be (blocks, rows, head_dim) views with unit stride along "
@@ -627,7 +644,7 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
         t += n;
       }
       for (int64_t r = 0; r < rows; ++r) last[r] = length - q_len + r % q_len;
-      attend(qs, rows, d, gk, d, gv, d, length, last, m, l, acc, space);
+      attend(qs, rows, d, gk, d, gv, d, length, last, m, l, acc, space, cap);
     } else {  // the region entries [begin, end) of the segment, one run (region block) at a time
       int64_t e = starts[item.segment] + item.begin;
       const int64_t stop = starts[item.segment] + item.end;
@@ -637,11 +654,11 @@ at::Tensor paged_ragged_attention_cpu(const at::Tensor& query, const at::Tensor&
         const int64_t block = rt[b * region_table.size(1) + column];
         attend(qs, rows, d, rk + (block * region_keys.stride(0) + row * region_keys.stride(1)) * esize,
                region_keys.stride(1), rv + (block * region_values.stride(0) + row * region_values.stride(1)) * esize,
-               region_values.stride(1), n, nullptr, m, l, acc, space);
+               region_values.stride(1), n, nullptr, m, l, acc, space, cap);
         e += n;
       }
     }
-  }, value_factor);
+  }, value_factor, sink_logits);
 }
 
 std::string attention_kernel_isa() { return attention_isa().name; }
@@ -659,7 +676,8 @@ TORCH_LIBRARY_FRAGMENT(kvpress_critical, m) {
   m.def(
       "paged_ragged_attention(Tensor query, Tensor region_keys, Tensor region_values, Tensor region_table, "
       "Tensor seg_start, Tensor seg_len, Tensor tail_keys, Tensor tail_values, Tensor tail_table, Tensor tail_len, "
-      "Tensor key_offsets, Tensor value_offsets, float scale, float k_scale=1.0, float v_scale=1.0) -> Tensor");
+      "Tensor key_offsets, Tensor value_offsets, float scale, float k_scale=1.0, float v_scale=1.0, "
+      "float soft_cap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("attention_kernel_isa() -> str", &attention_kernel_isa);
 }
 

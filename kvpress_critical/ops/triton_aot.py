@@ -213,11 +213,11 @@ def ragged_attention_table() -> list[dict]:
 
 
 def paged_ragged_attention_usage(
-    arch: int, dtype: str, head_dim: int, rows: int, cache: str | None = None
+    arch: int, dtype: str, head_dim: int, rows: int, cache: str | None = None, soft_cap: bool = False
 ) -> tuple[dict, ResourceUsage]:
     """``(constexprs, ResourceUsage)`` of the paged ragged-attention kernel as its launcher configures it on
     ``sm_<arch>`` for a ``dtype`` query and a cache of the same dtype or of ``cache`` fp8 codes (``"float8_e4m3fn"``,
-    ``"float8_e5m2"``: read as bytes), ``rows`` query rows per segment."""
+    ``"float8_e5m2"``: read as bytes), ``rows`` query rows per segment, with or without a logits ``soft_cap``."""
     import torch
 
     from kvpress_critical.ops.paged_ragged_attention.triton_backend import paged_constants
@@ -227,32 +227,37 @@ def paged_ragged_attention_usage(
     operand = _TL_NAMES[getattr(tl, dtype)]
     entries = "u8" if cache else operand
     constants, warps, stages = paged_constants(torch_dtype, getattr(torch, cache or dtype), rows, head_dim)
+    constants = {**constants, "SOFT_CAP": soft_cap}
     signature = {"q_ptr": f"*{operand}", "rk_ptr": f"*{entries}", "rv_ptr": f"*{entries}", "rt_ptr": "*i32",
                  "ss_ptr": "*i64", "sl_ptr": "*i64", "tk_ptr": f"*{entries}", "tv_ptr": f"*{entries}", "tt_ptr": "*i32",
                  "tl_ptr": "*i64", "ko_ptr": "*i64", "vo_ptr": "*i64", "o_ptr": "*fp32", "ml_ptr": "*fp32"}  # fmt: skip
     ints = "sq_b sq_h sq_i sq_d srk_b srk_r srv_b srv_r srt_b stk stv stt_b num_kv_heads group q_len head_dim"
     ints += " rows_per_block block_size"
     signature.update({name: "i32" for name in ints.split()})
-    signature.update(scale="fp32", v_factor="fp32", chunk="i32", n_splits="i32", rows_pad="i32")
+    signature.update(scale="fp32", v_factor="fp32", soft_cap="fp32", chunk="i32", n_splits="i32", rows_pad="i32")
     compiled = compile_kernel(get_paged_kernel(), signature, constants, arch, warps, stages)
     return constants, ptxas_usage(compiled.asm["ptx"], arch)
 
 
-# (dtype, head_dim, rows, archs, fp8 cache or None): decoding (a GQA group of 4 rows) in every dtype at head_dim 128 on
-# sm_90 and sm_80, the other head sizes in bf16, a prefill chunk (64 rows), decoding over fp8 codes of either format
-PAGED_CASES = [(dtype, 128, 4, (80, 90), None) for dtype in ("float32", "bfloat16", "float16")]
-PAGED_CASES += [("bfloat16", d, 4, (90,), None) for d in (64, 256)] + [("bfloat16", 128, 64, (80, 90), None)]
-PAGED_CASES += [("bfloat16", 128, 4, (80, 90), cache) for cache in ("float8_e4m3fn", "float8_e5m2")]
+# (dtype, head_dim, rows, archs, fp8 cache or None, soft cap): decoding (a GQA group of 4 rows) in every dtype at
+# head_dim 128 on sm_90 and sm_80, the other head sizes in bf16, a prefill chunk (64 rows), decoding over fp8 codes of
+# either format, decoding with a logits soft cap (Gemma 2's head size)
+PAGED_CASES = [(dtype, 128, 4, (80, 90), None, False) for dtype in ("float32", "bfloat16", "float16")]
+PAGED_CASES += [("bfloat16", d, 4, (90,), None, False) for d in (64, 256)]
+PAGED_CASES += [("bfloat16", 128, 64, (80, 90), None, False)]
+PAGED_CASES += [("bfloat16", 128, 4, (80, 90), cache, False) for cache in ("float8_e4m3fn", "float8_e5m2")]
+PAGED_CASES += [("bfloat16", 256, 4, (80, 90), None, True)]
 
 
 def paged_ragged_attention_table() -> list[dict]:
     """Resource usage of the paged ragged-attention kernel for every case of :data:`PAGED_CASES`."""
     rows = []
-    for dtype, head_dim, n_rows, archs, cache in PAGED_CASES:
+    for dtype, head_dim, n_rows, archs, cache, soft_cap in PAGED_CASES:
         for arch in archs:
-            constants, usage = paged_ragged_attention_usage(arch, dtype, head_dim, n_rows, cache)
+            constants, usage = paged_ragged_attention_usage(arch, dtype, head_dim, n_rows, cache, soft_cap)
             config = {k: v for k, v in constants.items() if k.startswith("BLOCK")}
             case = dict(arch=arch, dtype=dtype, cache=cache or dtype, head_dim=head_dim, rows=n_rows, config=config)
+            case["soft_cap"] = soft_cap
             rows.append({**case, **asdict(usage)})
     return rows
 

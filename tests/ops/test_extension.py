@@ -35,7 +35,8 @@ def test_every_cpu_instruction_set_matches_the_reference(ops):
     the head sizes with compile-time addressing (64, 128) under and over a register block of rows, more query rows
     than head_dim (the scaled-probability scratch), causal query rows and a long split segment for the ragged
     attention, over float entries and over int8 / int4 codes and KIVI's layout; the paged op over fp8 codes (the
-    vector loads, and the scalar ones under generic and for the last 4 elements of a head_dim of 68)."""
+    vector loads, and the scalar ones under generic and for the last 4 elements of a head_dim of 68), and with a logits
+    soft cap and attention sinks."""
     # loads the library and the reference modules by path: no package import (kvpress, transformers) per process
     script = (
         "import importlib.util, sys, torch\n"
@@ -82,6 +83,13 @@ def test_every_cpu_instruction_set_matches_the_reference(ops):
         "        out = ops.paged_ragged_attention(*list(inputs.values())[:13], inputs['k_scale'], inputs['v_scale'])\n"
         "        ref = paged.paged_ragged_attention_ref(**inputs).double()\n"
         "        torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-4)\n"
+        "for d in (64, 68):\n"  # a logits soft cap (the vector tanh, and the scalar tail of 68) and attention sinks
+        "    inputs = paged_layout.random_paged_layout(2, 2, 3, 2, d, 8, [[5, 40], [17, 0]], [4, 11])\n"
+        "    inputs['query'] = inputs['query'] * 4\n"
+        "    sinks = torch.linspace(-2, 3, 6)\n"
+        "    out = ops.paged_ragged_attention(*list(inputs.values())[:13], 1.0, 1.0, 5.0, sinks)\n"
+        "    ref = paged.paged_ragged_attention_ref(**inputs, soft_cap=5.0, sinks=sinks).double()\n"
+        "    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)\n"
         "print(ops.cpu_kernel_isa(), ops.attention_kernel_isa())\n"
     )
     seen = {}

@@ -309,3 +309,80 @@ def test_opcheck_over_fp8_codes(ops):
         ops.paged_ragged_attention.default, (*args, 0.25, inputs["k_scale"], inputs["v_scale"]),
         test_utils=("test_faketensor", "test_autograd_registration"),
     )  # fmt: skip
+
+
+# ---- logits soft caps (Gemma 2) and attention sinks (gpt-oss) -------------------------------------------------------
+def softmax_terms(heads: int, seed: int = 1) -> torch.Tensor:
+    """Sink logits per query head around the scores' range: some well below (a small weight), some above."""
+    return torch.randn(heads, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float() * 3.0
+
+
+SOFTMAX_TERMS = [(30.0, False), (0.0, True), (5.0, True)]  # (soft cap, sinks): the cap alone, the sinks, both
+
+
+@pytest.mark.parametrize("soft_cap,with_sinks", SOFTMAX_TERMS, ids=["cap", "sinks", "cap+sinks"])
+@pytest.mark.parametrize("backend", [*CPU_BACKENDS, "triton"])
+def test_soft_caps_and_sinks_match_the_reference(backend, soft_cap, with_sinks):
+    """Each backend with a soft cap, sinks or both, GQA 4, 7 and 1, decoding and chunks, float32, bfloat16 and fp8
+    caches, against the float64 reference; the reference itself against its definition (capped scores, the sink one
+    more softmax term) and against the plain op, which the terms change."""
+    if backend == "triton":
+        triton = PAGED_RAGGED_ATTENTION["triton"]
+        if triton.availability() is not None or "cpu" not in triton.device_types():
+            pytest.skip(triton.availability() or "Triton runs on CPU tensors only under its interpreter")
+    cases = [(4, 1, 8, torch.float32, None), (7, 6, 32, torch.bfloat16, None), (1, 3, 16, torch.float32, None)]
+    cases += [(4, 1, 16, torch.float32, torch.float8_e4m3fn)]
+    for group, q_len, block_size, dtype, cache in cases:
+        if cache is None:
+            inputs = layout(3, group, q_len, 64, block_size, dtype)
+        else:
+            inputs = fp8_layout(group, q_len, block_size, cache, dtype)
+        inputs["query"] = inputs["query"] * 4.0  # peaky scores, so that a cap of 5 bends them
+        terms = dict(soft_cap=soft_cap, sinks=softmax_terms(2 * group) if with_sinks else None)
+        expected = paged_ragged_attention_ref(**inputs, **terms).double()
+        plain = paged_ragged_attention_ref(**inputs).double()
+        assert (expected - plain).abs().max() > 1e-2, "the terms change the output"
+        out = paged_ragged_attention(**inputs, **terms, backend=backend)
+        assert out.dtype == dtype and not torch.isnan(out).any()
+        rtol, atol = ATTENTION_TOLERANCE[dtype]
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=atol + rtol * 4)
+
+
+def test_the_references_soft_cap_and_sinks_are_their_definitions():
+    """One row, one head, written out: softmax over ``cap * tanh(s / cap)`` and the sink's logit, the sink's weight
+    dropped."""
+    inputs = layout(1, 1, 1, 64, 8, torch.float32)
+    inputs["query"] = inputs["query"] * 4.0
+    sinks = torch.tensor([0.7, -1.3])
+    out = paged_ragged_attention_ref(**inputs, soft_cap=5.0, sinks=sinks).double()
+    from kvpress_critical.ops.paged_ragged_attention.naive import gather_segment, gather_tail
+
+    for h in range(2):
+        args = (inputs["region_keys"], inputs["region_values"], inputs["region_table"], inputs["seg_start"])
+        rk, rv = gather_segment(*args, inputs["seg_len"], 0, h)
+        length = int(inputs["tail_len"][0])
+        tail_args = (inputs["tail_keys"], inputs["tail_values"], inputs["tail_table"], length)
+        tk, tv = gather_tail(*tail_args, inputs["key_offsets"], inputs["value_offsets"], 0, h)
+        k, v = torch.cat([rk, tk]).double(), torch.cat([rv, tv]).double()
+        s = k @ inputs["query"][0, h, 0].double() * inputs["scale"]
+        s = 5.0 * torch.tanh(s / 5.0)
+        weights = torch.exp(s) / (torch.exp(s).sum() + torch.exp(torch.tensor(float(sinks[h]), dtype=torch.float64)))
+        torch.testing.assert_close(out[0, 0, h], weights @ v, rtol=0, atol=1e-6)  # the float32 output
+
+
+def test_bad_soft_caps_and_sinks_are_refused():
+    inputs = layout(1, 2, 1, 64, 8, torch.float32)
+    with pytest.raises(ValueError, match="soft_cap must be a finite number >= 0"):
+        paged_ragged_attention(**inputs, soft_cap=-1.0)
+    with pytest.raises(ValueError, match=r"sinks must be \(4,\) floats"):
+        paged_ragged_attention(**inputs, sinks=torch.zeros(2))
+
+
+def test_opcheck_with_soft_cap_and_sinks(ops):
+    """The schema's ``soft_cap`` and ``sinks`` through torch.library.opcheck."""
+    inputs = layout(2, 2, 3, 16, 8, torch.float32)
+    inputs["tail_keys"] = inputs["tail_values"] = inputs["tail_keys"].nan_to_num()  # NaN-free results to compare
+    names = ("query", "region_keys", "region_values", "region_table", "seg_start", "seg_len", "tail_keys",
+             "tail_values", "tail_table", "tail_len", "key_offsets", "value_offsets")  # fmt: skip
+    args = [inputs[name] for name in names]
+    torch.library.opcheck(ops.paged_ragged_attention.default, (*args, 0.25, 1.0, 1.0, 5.0, softmax_terms(4)))

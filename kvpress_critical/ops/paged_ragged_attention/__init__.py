@@ -10,6 +10,10 @@ to themselves (causal), with GQA inside (query heads ``h * G .. (h + 1) * G - 1`
 float32. It is :func:`kvpress_critical.ops.ragged_attention` with block tables: the math of the compact cache over
 the blocks a paged engine (vLLM, :mod:`kvpress_critical_vllm`) already holds.
 
+A logits soft cap (Gemma 2: ``soft_cap * tanh(s / soft_cap)`` of each score before the softmax) and attention sinks
+(gpt-oss: one learned logit per query head in the softmax's denominator, with no value) are applied by every backend
+(``cpp`` in its micro-kernels and its merge, ``triton`` in its kernel and its merge, ``torch`` as one more part).
+
 The cache may hold fp8 codes (``region_*`` and ``tail_*`` in one of :data:`FP8_DTYPES`, vLLM's fp8 KV caches): an
 entry is then its code times the per-tensor ``k_scale`` (keys) or ``v_scale`` (values; e4m3's NaN code, which
 vLLM's saturating quantizer never writes, reads as NaN in ``torch`` and as 480 times the scale in ``cpp`` and
@@ -102,6 +106,8 @@ def paged_ragged_attention(
     max_len: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """
@@ -139,6 +145,12 @@ def paged_ragged_attention(
         synchronisation (CPU tensors); ``None``: read from them.
     k_scale, v_scale : float
         Per-tensor scales of an fp8 cache (a key is its code times ``k_scale``); 1.0 for a float cache.
+    soft_cap : float
+        A logits soft cap (Gemma 2): each score ``s`` becomes ``soft_cap * tanh(s / soft_cap)`` before the softmax;
+        0.0 for none.
+    sinks : torch.Tensor, optional
+        ``(H,)`` attention sinks (gpt-oss): one learned logit per query head, one more term of its softmax's
+        denominator that carries no value.
     validate : bool
         Check the inputs' shapes, dtypes, scales and ``max_len`` here (default). ``False`` skips these checks, for a
         caller that passes inputs of the same shapes many times (a serving engine, every layer of a step: it checks
@@ -153,10 +165,29 @@ def paged_ragged_attention(
             tail_len, key_offsets, value_offsets)  # fmt: skip
     if validate:
         _check_values(args, k_scale, v_scale, max_len)
+        _check_softmax_terms(query, soft_cap, sinks)
     name = PAGED_RAGGED_ATTENTION.resolve(backend, query.device, query, region_keys)
+    extras = {}
     if region_keys.dtype in FP8_DTYPES:
-        return PAGED_RAGGED_ATTENTION[name].fn(*args, float(scale), max_len, k_scale=k_scale, v_scale=v_scale)
-    return PAGED_RAGGED_ATTENTION[name].fn(*args, float(scale), max_len)
+        extras.update(k_scale=k_scale, v_scale=v_scale)
+    if soft_cap:
+        extras["soft_cap"] = float(soft_cap)
+    if sinks is not None:
+        extras["sinks"] = sinks
+    return PAGED_RAGGED_ATTENTION[name].fn(*args, float(scale), max_len, **extras)
+
+
+def _check_softmax_terms(query: torch.Tensor, soft_cap: float, sinks: torch.Tensor | None) -> None:
+    """A soft cap is a finite number >= 0; sinks are one float per query head, on the query's device."""
+    if not (soft_cap >= 0.0 and soft_cap < float("inf")):
+        raise ValueError(f"soft_cap must be a finite number >= 0 (0: no cap), got {soft_cap}")
+    if sinks is not None:
+        heads = query.shape[1]
+        if sinks.dim() != 1 or sinks.numel() != heads or not sinks.dtype.is_floating_point:
+            raise ValueError(f"sinks must be ({heads},) floats, one logit per query head, got {sinks.dtype} "
+                             f"{tuple(sinks.shape)}")  # fmt: skip
+        if sinks.device != query.device:
+            raise ValueError(f"sinks are on {sinks.device}, the query on {query.device}")
 
 
 def _check_values(args, k_scale, v_scale, max_len) -> None:

@@ -29,11 +29,13 @@ def gather_tail(tail_keys, tail_values, tail_table, length: int, key_offsets, va
 
 def paged_ragged_attention_ref(
     query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
-    tail_len, key_offsets, value_offsets, scale, max_len=None, k_scale=1.0, v_scale=1.0,
+    tail_len, key_offsets, value_offsets, scale, max_len=None, k_scale=1.0, v_scale=1.0, soft_cap=0.0, sinks=None,
 ) -> torch.Tensor:  # fmt: skip
     """
     Reference of :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention` (same arguments; an
-    entry is its stored number times ``k_scale`` or ``v_scale``, fp8 codes included).
+    entry is its stored number times ``k_scale`` or ``v_scale``, fp8 codes included). A ``soft_cap`` > 0 replaces each
+    score ``s`` by ``soft_cap * tanh(s / soft_cap)`` before the softmax; ``sinks[head]`` is one more logit in that
+    head's softmax, with no value (its weight is dropped).
 
     Returns ``(B, q, H, d)`` in the query's dtype; a query that sees no entry gets zeros.
     """
@@ -51,9 +53,15 @@ def paged_ragged_attention_ref(
             v = torch.cat([rv, tv]).cpu().double() * v_scale
             q = query[b, h * group : (h + 1) * group].double().cpu()  # (G, q, d)
             scores = torch.einsum("gid,nd->gin", q, k) * scale
+            if soft_cap:
+                scores = soft_cap * torch.tanh(scores / soft_cap)
             position = torch.arange(k.shape[0]) - rk.shape[0]  # tail position of each entry (negative: region)
             visible = position[None, :] <= (length - q_len + torch.arange(q_len))[:, None]
             scores = scores.masked_fill(~visible, float("-inf"))
-            weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+            if sinks is not None:  # (G, q, n + 1): the sink last, then dropped
+                sink = sinks[h * group : (h + 1) * group].double().cpu()[:, None, None].expand(group, q_len, 1)
+                weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+            else:
+                weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
             out[b, :, h * group : (h + 1) * group] = torch.einsum("gin,nd->igd", weights, v)
     return out.to(query.dtype)

@@ -14,10 +14,11 @@ from kvpress_critical.ops.ragged_attention.torch_backend import _part, merge_par
 
 def paged_ragged_attention_torch(
     query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
-    tail_len, key_offsets, value_offsets, scale, max_len=None, k_scale=1.0, v_scale=1.0,
+    tail_len, key_offsets, value_offsets, scale, max_len=None, k_scale=1.0, v_scale=1.0, soft_cap=0.0, sinks=None,
 ) -> torch.Tensor:  # fmt: skip
     """See :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention` (``max_len``: unused, the grid
-    of the ``triton`` backend only). fp8 codes are dequantized one segment at a time, in float32."""
+    of the ``triton`` backend only). fp8 codes are dequantized one segment at a time, in float32; a sink is one more
+    part of the merge (its logit, a sum of 1, no output)."""
     quantized = region_keys.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     bsz, heads, q_len, head_dim = query.shape
     num_kv_heads = key_offsets.shape[0]
@@ -40,9 +41,12 @@ def paged_ragged_attention_torch(
             if quantized:  # (n, d) codes -> float32 entries
                 rk, tk = rk.float() * k_scale, tk.float() * k_scale
                 rv, tv = rv.float() * v_scale, tv.float() * v_scale
-            parts = [_part(q, rk, rv, None)] if rk.shape[0] else []
+            parts = [_part(q, rk, rv, None, soft_cap)] if rk.shape[0] else []
             if length:
-                parts.append(_part(q, tk, tv, visible))
+                parts.append(_part(q, tk, tv, visible, soft_cap))
+            if sinks is not None:  # row g * q + i: query head h * G + g
+                sink = sinks[h * group : (h + 1) * group].float().repeat_interleave(q_len)[:, None]
+                parts.append((sink, torch.ones_like(sink), torch.zeros(group * q_len, head_dim, device=query.device)))
             result = merge_parts(parts, group * q_len, head_dim, query.device)
             out[b, :, h * group : (h + 1) * group] = result.view(group, q_len, head_dim).transpose(0, 1).to(out.dtype)
     return out

@@ -29,10 +29,11 @@ def paged_constants(query_dtype: torch.dtype, cache_dtype: torch.dtype, rows: in
 
 def paged_ragged_attention_triton(
     query, region_keys, region_values, region_table, seg_start, seg_len, tail_keys, tail_values, tail_table,
-    tail_len, key_offsets, value_offsets, scale, max_len=None, k_scale=1.0, v_scale=1.0,
+    tail_len, key_offsets, value_offsets, scale, max_len=None, k_scale=1.0, v_scale=1.0, soft_cap=0.0, sinks=None,
 ) -> torch.Tensor:  # fmt: skip
     """See :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention` (fp8 codes are read as bytes and
-    converted in registers: :mod:`.triton_kernel`)."""
+    converted in registers: :mod:`.triton_kernel`; the soft cap is applied to the scores in the kernel, the sinks in
+    the merge of its splits)."""
     bsz, heads, q_len, head_dim = query.shape
     num_kv_heads, block_size = key_offsets.shape[0], key_offsets.shape[1]
     group = heads // num_kv_heads
@@ -73,7 +74,7 @@ def paged_ragged_attention_triton(
             *query.stride(), region_keys.stride(0), region_keys.stride(1), region_values.stride(0),
             region_values.stride(1), region_table.stride(0), tail_keys.stride(0), tail_values.stride(0),
             tail_table.stride(0), num_kv_heads, group, q_len, head_dim, region_keys.shape[1], block_size,
-            key_scale, value_factor, chunk, n_splits, rows_pad,
-            **constants, num_warps=warps, num_stages=stages,
+            key_scale, value_factor, float(soft_cap), chunk, n_splits, rows_pad,
+            **constants, SOFT_CAP=bool(soft_cap), num_warps=warps, num_stages=stages,
         )  # fmt: skip
-    return merge_splits(partial_o, partial_ml, rows, q_len, group, out)
+    return merge_splits(partial_o, partial_ml, rows, q_len, group, out, None if sinks is None else sinks.to(device))

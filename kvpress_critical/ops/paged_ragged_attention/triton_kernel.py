@@ -64,6 +64,7 @@ def _paged_ragged_attention(
     block_size,
     scale,
     v_factor,
+    soft_cap,  # > 0 with SOFT_CAP: scores capped at soft_cap * tanh(score / soft_cap)
     chunk,
     n_splits,
     rows_pad,
@@ -73,6 +74,7 @@ def _paged_ragged_attention(
     COMPUTE_DTYPE: tl.constexpr,  # operand dtype of the dots (fp32 accumulation)
     INPUT_PRECISION: tl.constexpr,  # "ieee" for float32 operands
     CODES: tl.constexpr,  # 0: float entries, 1: fp8 e4m3fn codes, 2: fp8 e5m2 codes (uint8 pointers)
+    SOFT_CAP: tl.constexpr,  # a logits soft cap (Gemma 2)
 ):
     # program (segment s, split, block of rows): partial softmax attention over entries [split * chunk, ...) of the
     # segment's virtual sequence "region entries, then the row's tail"
@@ -122,6 +124,8 @@ def _paged_ragged_attention(
         kc, kt = _fp8_as_half(kc, CODES), _fp8_as_half(kt, CODES)
         k = tl.where(in_ctx[:, None], kc.to(COMPUTE_DTYPE), kt.to(COMPUTE_DTYPE))  # (BLOCK_N, BLOCK_D)
         scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION, out_dtype=tl.float32) * scale  # (M, N)
+        if SOFT_CAP:  # soft_cap * tanh(s / soft_cap), tanh(x) = 2 / (1 + exp(-2x)) - 1 (exp's overflow gives -1)
+            scores = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * scores / soft_cap)) - 1.0)
         visible = valid[None, :] & (in_ctx[None, :] | (tpos[None, :] <= last_visible[:, None]))
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))

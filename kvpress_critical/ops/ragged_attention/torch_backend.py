@@ -25,9 +25,12 @@ def _rows(entries, lo: int, hi: int) -> torch.Tensor:
     return part.dequantize() if isinstance(part, QuantizedEntries) else part
 
 
-def _part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
-    """(max, sum, unnormalised output) of softmax(q k^T) v in float32; q: (R, d), k, v: (n, d)."""
+def _part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, soft_cap: float = 0.0):
+    """(max, sum, unnormalised output) of softmax(q k^T) v in float32; q: (R, d), k, v: (n, d); a ``soft_cap`` > 0
+    caps each score ``s`` at ``soft_cap * tanh(s / soft_cap)`` first."""
     scores = q @ k.float().T  # (R, n)
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     peak = scores.amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)  # finite even if all masked

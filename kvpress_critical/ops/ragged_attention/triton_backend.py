@@ -150,18 +150,28 @@ def ragged_attention_triton(query, keys, values, cu_seqlens, tail_keys, tail_val
     return merge_splits(partial_o, partial_ml, rows, q_len, group, out)
 
 
-def merge_splits(partial_o, partial_ml, rows: int, q_len: int, group: int, out: torch.Tensor) -> torch.Tensor:
+def merge_splits(
+    partial_o, partial_ml, rows: int, q_len: int, group: int, out: torch.Tensor, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """Merge the kernel's splits of every (segment, row) by log-sum-exp weights into ``out`` ``(B, q, H, d)``:
-    ``partial_o`` ``(S, n_splits, rows_pad, d)``, ``partial_ml`` ``(S, n_splits, rows_pad, 2)`` (max, sum)."""
+    ``partial_o`` ``(S, n_splits, rows_pad, d)``, ``partial_ml`` ``(S, n_splits, rows_pad, 2)`` (max, sum).
+    ``sinks`` ``(H,)``: one more logit per query head in the softmax's denominator (a row's output times
+    ``sigmoid(lse - sink)``)."""
     bsz, _, heads, head_dim = out.shape
     num_kv_heads = heads // group
     m, denom = partial_ml[:, :, :rows, 0], partial_ml[:, :, :rows, 1]  # (S, n_splits, rows)
     peak = m.amax(1, keepdim=True)
-    weight = torch.exp(m - torch.where(torch.isinf(peak), torch.zeros_like(peak), peak))
+    finite_peak = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
+    weight = torch.exp(m - finite_peak)
     weight = torch.where(torch.isinf(m), torch.zeros_like(weight), weight)
     total = (weight * denom).sum(1)  # (S, rows)
     merged = (weight.unsqueeze(-1) * partial_o[:, :, :rows]).sum(1) / total.clamp_min(1e-30).unsqueeze(-1)
     merged = torch.where(total.unsqueeze(-1) > 0, merged, torch.zeros_like(merged))  # (S, G * q, d)
+    if sinks is not None:  # row g * q + i of segment b * H_kv + h: query head h * G + g
+        sink = sinks.float().view(num_kv_heads, group, 1).expand(-1, -1, q_len).reshape(1, num_kv_heads, rows)
+        sink = sink.expand(bsz, -1, -1).reshape(bsz * num_kv_heads, rows)
+        lse = finite_peak.squeeze(1) + torch.log(total)  # -inf where nothing is visible: the output stays 0
+        merged = merged * torch.sigmoid(lse - sink).unsqueeze(-1)
     merged = merged.view(bsz, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
     out.copy_(merged.reshape(bsz, q_len, heads, head_dim))
     return out
