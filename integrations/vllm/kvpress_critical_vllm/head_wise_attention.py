@@ -1,7 +1,8 @@
 """The head-wise rows' attention: a compacted head-wise request attends, in every layer, over its region (each KV
 head's kept entries, packed head after head into whole blocks) and its tail (positions from the prompt's last block
 boundary on) with :func:`kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention`; its result replaces the
-backend's output rows, whose kernel saw only the row's last blocks.
+backend's output rows, whose kernel saw only the row's last blocks. The layer's logits soft cap and attention sinks,
+where it has them, are the op's (as the backend applies them to the other rows).
 
 A failure of the kernel ends the requests of those rows (reported broken: the scheduler discards their tokens of this
 step and ends them with an error), never the step or the engine: their rows keep the backend's output, which the
@@ -21,6 +22,21 @@ from kvpress_critical_vllm.step_plan import StepPlan
 
 # under vLLM's logger, so that the lines appear in vLLM's log at its level (VLLM_LOGGING_LEVEL)
 logger = logging.getLogger(f"vllm.{__name__}")
+
+
+def softmax_terms(impl) -> dict:
+    """The softmax's own terms of an attention layer (``impl``: vLLM's attention implementation), as
+    :func:`~kvpress_critical.ops.paged_ragged_attention.paged_ragged_attention` takes them: a logits soft cap
+    (Gemma 2; vLLM's backends keep 0 or None for none) and attention sinks (gpt-oss: one logit per query head of
+    this rank)."""
+    terms = {}
+    cap = getattr(impl, "logits_soft_cap", None)
+    if cap:
+        terms["soft_cap"] = float(cap)
+    sinks = getattr(impl, "sinks", None)
+    if sinks is not None:
+        terms["sinks"] = sinks
+    return terms
 
 
 class HeadWiseAttention:
@@ -47,6 +63,7 @@ class HeadWiseAttention:
         region_keys, region_values = (codes.codes(view) for view in region_views(kv_cache))
         flat = codes.codes(block_memory(kv_cache))  # (blocks, block elements): the tail's element offsets index it
         scales = {"k_scale": codes.k_scale, "v_scale": codes.v_scale} if codes.code_dtype is not None else {}
+        terms = softmax_terms(layer.impl)
         if self.tail_offsets is None:
             self.tail_offsets = self.layout.tail_offsets(kv_cache)
         key_offsets, value_offsets = self.tail_offsets
@@ -59,7 +76,7 @@ class HeadWiseAttention:
                 out = paged_ragged_attention(
                     queries, region_keys, region_values, rows.region_table, rows.seg_start[index],
                     rows.seg_len[index], flat, flat, rows.tail_table, rows.tail_len, key_offsets, value_offsets,
-                    layer.impl.scale, backend=self.kernel, max_len=rows.max_len[index], **scales,
+                    layer.impl.scale, backend=self.kernel, max_len=rows.max_len[index], **scales, **terms,
                     validate=index == 0,  # the step's inputs checked in its first layer: every layer has their shapes
                 )  # fmt: skip
                 output.index_copy_(0, tokens, out.to(output.dtype).flatten(0, 1))  # out: (rows, q, H, d)

@@ -18,6 +18,7 @@ import torch
 
 from kvpress_critical_vllm.attention import CompressingBuilderMixin, CompressingImplMixin, register_backends
 from kvpress_critical_vllm.engine_config import EngineConfigError
+from kvpress_critical_vllm.head_wise_attention import softmax_terms
 from kvpress_critical_vllm.kv_codes import KVCodes
 from kvpress_critical_vllm.kv_spec import compressed_group
 from kvpress_critical_vllm.layouts import region_views
@@ -58,10 +59,11 @@ def head_wise_probe_lengths(group: int) -> list[int]:
 
 
 def check_attention_impl(name: str, impl) -> None:
-    """Refuse a compressed layer whose attention has a window, bias, cap or sink the plugin does not carry: a sliding
-    window and ALiBi follow a slot's index, not the position of the entry a compaction moved there; a logits soft cap
-    and attention sinks change the softmax that the presses' scores (SnapKV's window attention) and the head-wise
-    kernels compute without them."""
+    """Refuse a compressed layer whose attention has a window or bias the plugin does not carry: a sliding window and
+    ALiBi follow a slot's index, not the position of the entry a compaction moved there. A logits soft cap and
+    attention sinks are served: the backend applies them to the uniform rows, the head-wise attention to its own
+    (:func:`~kvpress_critical_vllm.head_wise_attention.softmax_terms`), and the presses score as kvpress's do (their
+    window attention without them)."""
     window = getattr(impl, "sliding_window", None)
     variants = {
         "a sliding window (in the full-attention KV-cache group, as when disable_hybrid_kv_cache_manager is set), "
@@ -71,11 +73,6 @@ def check_attention_impl(name: str, impl) -> None:
         "ALiBi, whose bias follows a slot's index, not the position of the entry a compaction moved there": (
             getattr(impl, "alibi_slopes", None) is not None
         ),
-        "a logits soft cap, which the presses' attention scores and the head-wise kernels do not apply": bool(
-            getattr(impl, "logits_soft_cap", None)
-        ),
-        "attention sinks (a learned logit per head in the softmax), which the presses' attention scores and the "
-        "head-wise kernels do not include": getattr(impl, "sinks", None) is not None,
     }
     for variant, used in variants.items():
         if used:
@@ -303,6 +300,7 @@ class CompressingWorkerMixin:
         group = max(1, model.get_num_attention_heads(parallel) // kv_heads)
         block = state.block_size or 16
         codes = next(iter(state.kv_codes.values()), None)
+        terms = softmax_terms(self._attention_layers()[next(iter(state.o_proj))].impl)  # a soft cap, sinks
         for q_len in head_wise_probe_lengths(group):
             probe = random_paged_layout(
                 2, kv_heads, group, q_len, head_size, block, [[3 + h for h in range(kv_heads)], [block + 1] * kv_heads],
@@ -310,8 +308,8 @@ class CompressingWorkerMixin:
                 cache_dtype=codes.code_dtype if codes is not None else None,
             )  # fmt: skip
             try:
-                out = paged_ragged_attention(**probe, backend=attention)
-                expected = paged_ragged_attention_ref(**probe)
+                out = paged_ragged_attention(**probe, **terms, backend=attention)
+                expected = paged_ragged_attention_ref(**probe, **terms)
                 tolerance = 1e-4 if weight.dtype == torch.float32 else 3e-2
                 torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
             except Exception as error:  # noqa: BLE001

@@ -40,9 +40,18 @@ def configs() -> dict:
             "Gemma3TextConfig",
             dict(num_hidden_layers=6, sliding_window=WINDOW, layer_types=_alternating(6, 3), query_pre_attn_scalar=64),
         ),
-        "gemma2": (  # vLLM's Gemma 2 ties its embeddings
+        # vLLM's Gemma 2 ties its embeddings; a logits soft cap of 5 (Gemma 2's is 50, for its larger logits) bends
+        # this tiny model's scores as Gemma 2's cap bends its own
+        "gemma2": (
             "Gemma2Config",
-            dict(num_hidden_layers=2, sliding_window=WINDOW, query_pre_attn_scalar=64, tie_word_embeddings=True),
+            dict(
+                num_hidden_layers=2,
+                sliding_window=WINDOW,
+                layer_types=_alternating(2, 2),
+                query_pre_attn_scalar=64,
+                tie_word_embeddings=True,
+                attn_logit_softcapping=5.0,
+            ),
         ),
         "gpt_oss": (
             "GptOssConfig",

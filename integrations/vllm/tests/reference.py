@@ -247,13 +247,17 @@ _FP8: dict = {}  # "codes": the fp8 dtype the cache rounds keys and values to (f
 
 def _masked_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """Eager attention in which each KV head skips the prompt entries it dropped (``_DROPPED``), kvpress's masking;
-    over an fp8 cache (:func:`fp8_cache`), every key and value as the cache holds it."""
+    over an fp8 cache (:func:`fp8_cache`), every key and value as the cache holds it; a logits soft cap (Gemma 2) and
+    attention sinks (gpt-oss) as those models' own eager attention applies them."""
     if "codes" in _FP8:  # rounding is idempotent: the whole cache, rounded again at each call, is what vLLM holds
         key, value = fp8_round(key, _FP8["codes"]), fp8_round(value, _FP8["codes"])
     group = query.shape[1] // key.shape[1]
     keys = key.repeat_interleave(group, dim=1)
     values = value.repeat_interleave(group, dim=1)
     weights = torch.matmul(query, keys.transpose(2, 3)) * scaling
+    softcap = kwargs.get("softcap")  # Gemma 2's logits soft cap, as its eager attention applies it
+    if softcap:
+        weights = softcap * torch.tanh(weights / softcap)
     if attention_mask is not None:
         weights = weights + attention_mask
     dropped = _DROPPED.get(module.layer_idx)
@@ -261,7 +265,13 @@ def _masked_eager(module, query, key, value, attention_mask, scaling, dropout=0.
         hidden = torch.zeros(weights.shape[1], weights.shape[-1], dtype=torch.bool)
         hidden[:, : dropped.shape[1]] = dropped.repeat_interleave(group, dim=0)
         weights = weights.masked_fill(hidden[None, :, None, :], float("-inf"))
-    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    sinks = getattr(module, "sinks", None)  # gpt-oss: one more logit per head in the softmax, its weight dropped
+    if sinks is not None:
+        sink = sinks.reshape(1, -1, 1, 1).expand(weights.shape[0], -1, weights.shape[2], 1).to(weights.dtype)
+        weights = torch.softmax(torch.cat([weights, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+        weights = weights.to(query.dtype)
+    else:
+        weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
     return torch.matmul(weights, values).transpose(1, 2).contiguous(), weights
 
 

@@ -1,13 +1,13 @@
 """The architectures people serve, as tiny random-weight models (``architectures.py``): each is served by the plugin,
 its answers equal to transformers' keeping the same entries in its full-attention layers, or refused with the reason.
 
-Served: Qwen2, Qwen3, Phi-3 (fused QKV) and Gemma 3 (five sliding-window layers per full-attention one in Gemma 3
-itself; two here), each with a uniform and a head-wise press in one batch; Qwen3-MoE with a uniform press in an engine
-process of its own. Refused: Gemma 2 (a logits soft cap) and gpt-oss (attention sinks) when the worker checks their
-layers, in that process; an attention-free model (Mamba) when the engine's configuration is built. Qwen3-Next
-(linear attention beside full attention) is served in test_linear_attention.py. Llama is the rest of the suite's
-model; Mistral with a sliding window in every layer is refused in test_refusals.py. Each served model is
-one more in-process engine (a few seconds each): the complete tier.
+Served: Qwen2, Qwen3, Phi-3 (fused QKV), Gemma 3 (five sliding-window layers per full-attention one in Gemma 3
+itself; two here) and Gemma 2 (sliding-window and full layers, a logits soft cap), each with a uniform and a head-wise
+press in one batch; Qwen3-MoE and gpt-oss (attention sinks) the same in an engine process of their own. Refused: an
+attention-free model (Mamba) when the engine's configuration is built. Qwen3-Next (linear attention beside full
+attention) is served in test_linear_attention.py. Llama is the rest of the suite's model; Mistral with a sliding
+window in every layer is refused in test_refusals.py. Each served model is one more in-process engine (a few seconds
+each): the complete tier.
 """
 
 import json
@@ -21,10 +21,10 @@ from conftest import make_llm, model_path, run_batch, scheduler_of
 from reference import greedy_after_eviction, greedy_mismatches, greedy_with_head_masks, load_reference_model
 from workload import Row
 
-SERVED = ["qwen2", "qwen3", "phi3", "gemma3"]
-# in one engine process, the mixture-of-experts models first: vLLM creates its expert-parallel group with the
-# process's first engine, which in the suite's process is a dense model
-OWN_PROCESS = {"qwen3_moe": "served", "gpt_oss": "attention sinks", "gemma2": "a logits soft cap"}
+SERVED = ["qwen2", "qwen3", "phi3", "gemma3", "gemma2"]
+# in one engine process: vLLM creates a mixture-of-experts model's expert-parallel group with the process's first
+# engine, which in the suite's process is a dense model
+OWN_PROCESS = ["qwen3_moe", "gpt_oss"]
 NEW_TOKENS = 12
 ROWS = (
     Row("models/critical_snapkv-300", "uniform", 0, 300, {"press": "critical_snapkv"}, NEW_TOKENS),
@@ -66,48 +66,42 @@ ENGINE_PROCESS = """
 import json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from vllm import LLM, SamplingParams
-from kvpress_critical_vllm.engine_config import EngineConfigError
 jobs = json.loads(sys.argv[1])
-results = {}
+results, engines = {}, []  # every engine kept: collecting one tears down the distributed state the others share
 for name, path in jobs["models"].items():
-    try:
-        llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=1024, block_size=32,
-                  kv_cache_memory_bytes=24 * 2**20, additional_config={"kvpress_critical": {
-                      "press": "critical_snapkv", "compression_ratio": 0.5, "record_selections": True}})
-    except EngineConfigError as error:
-        results[name] = {"refused": str(error)}
-        continue
-    params = SamplingParams(max_tokens=jobs["new_tokens"], temperature=0)
-    (output,) = llm.generate([{"prompt_token_ids": jobs["prompt"]}], params)
-    (kept,) = llm.collective_rpc("kvpress_critical_selections")[0].values()
-    results[name] = {"tokens": list(output.outputs[0].token_ids), "kept": kept}
+    llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=1024, block_size=32,
+              kv_cache_memory_bytes=24 * 2**20, additional_config={"kvpress_critical": {
+                  "press": "critical_snapkv", "compression_ratio": 0.5, "record_selections": True}})
+    engines.append(llm)
+    params = [SamplingParams(max_tokens=jobs["new_tokens"], temperature=0, extra_args={"kvpress_critical": options})
+              for options in jobs["options"]]
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in jobs["prompts"]], params)
+    selections = llm.collective_rpc("kvpress_critical_selections")[0]
+    kept = [next(v for k, v in selections.items() if k.rpartition("-")[0] == o.request_id) for o in outputs]
+    results[name] = [{"tokens": list(o.outputs[0].token_ids), "kept": k} for o, k in zip(outputs, kept)]
 print("RESULTS " + json.dumps(results))
 """
 
 
 @pytest.mark.slow
-def test_mixture_of_experts_models_are_served_and_sinks_and_soft_caps_refuse(tmp_path_factory, prompt_ids):
-    """In one engine process (a refused in-process engine would take the session's distributed state down with it):
-    Qwen3-MoE answers as transformers keeping the same entries; gpt-oss and Gemma 2 are refused when the worker checks
-    their layers, each refusal naming the layer and what it uses."""
+def test_mixture_of_experts_models_are_served_exactly(tmp_path_factory, prompt_ids):
+    """In an engine process of their own: Qwen3-MoE, and gpt-oss (sliding-window and full-attention layers, attention
+    sinks), each with a uniform and a head-wise request, answer as transformers keeping the same entries (gpt-oss's
+    head-wise attention with the sinks in its softmax)."""
     paths = {name: tiny_model(name, tmp_path_factory) for name in OWN_PROCESS}
-    prompt = ROWS[0].prompt(prompt_ids)
-    job = json.dumps({"models": paths, "prompt": prompt, "new_tokens": NEW_TOKENS})
+    prompts = [row.prompt(prompt_ids) for row in ROWS]
+    job = json.dumps({"models": paths, "prompts": prompts, "options": [row.options for row in ROWS],
+                      "new_tokens": NEW_TOKENS})  # fmt: skip
     run = subprocess.run([sys.executable, "-c", ENGINE_PROCESS, job], capture_output=True, text=True, timeout=600)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS ")]
     assert lines, run.stderr[-3000:]
     results = json.loads(lines[-1].removeprefix("RESULTS "))
-    for name, expected in OWN_PROCESS.items():
-        if expected == "served":
-            served = results[name]
-            assert served.get("kept") is not None, served
-            reference = load_reference_model(paths[name])
-            args = (greedy_after_eviction, reference, prompt, served["kept"])
-            assert not greedy_mismatches(served["tokens"], *args, max_new_tokens=NEW_TOKENS), name
-            continue
-        refusal = results[name]["refused"]
-        assert refusal.startswith("kvpress_critical cannot compress layer model.layers."), refusal
-        assert f"it uses {expected}" in refusal, refusal
+    for name in OWN_PROCESS:
+        reference = load_reference_model(paths[name])
+        for row, prompt, served in zip(ROWS, prompts, results[name]):
+            greedy = greedy_after_eviction if row.kind == "uniform" else greedy_with_head_masks
+            args = (greedy, reference, prompt, served["kept"])
+            assert not greedy_mismatches(served["tokens"], *args, max_new_tokens=NEW_TOKENS), (name, row.name)
 
 
 def test_attention_free_models_refuse_when_the_configuration_is_built(tmp_path_factory):

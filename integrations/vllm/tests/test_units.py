@@ -619,21 +619,29 @@ def test_a_head_wise_write_packs_each_heads_entries_into_the_region(n_prompt, ra
     assert torch.equal(kv_cache[others], before[others])  # the tail's block and every other block untouched
 
 
-@pytest.mark.parametrize(
-    "impl,variant",
-    [
-        (SimpleNamespace(alibi_slopes=torch.ones(2), logits_soft_cap=0, sinks=None), "ALiBi"),
-        (SimpleNamespace(alibi_slopes=None, logits_soft_cap=30.0, sinks=None), "logits soft cap"),
-        (SimpleNamespace(alibi_slopes=None, logits_soft_cap=0, sinks=torch.zeros(2)), "attention sinks"),
-    ],
-)
-def test_attention_the_plugin_does_not_carry_refuses(impl, variant):
+def test_attention_the_plugin_does_not_carry_refuses():
     from kvpress_critical_vllm.engine_config import EngineConfigError
     from kvpress_critical_vllm.worker import check_attention_impl
 
-    with pytest.raises(EngineConfigError, match=variant):
-        check_attention_impl("model.layers.0.self_attn.attn", impl)
+    with pytest.raises(EngineConfigError, match="ALiBi"):
+        check_attention_impl("model.layers.0.self_attn.attn", SimpleNamespace(alibi_slopes=torch.ones(2)))
     check_attention_impl("model.layers.0.self_attn.attn", SimpleNamespace(alibi_slopes=None, logits_soft_cap=0))
+
+
+def test_soft_caps_and_sinks_are_served_and_reach_the_head_wise_attention():
+    """A layer with a logits soft cap or attention sinks passes the check; the head-wise attention takes them from
+    vLLM's implementation (a cap of 0 or None: none)."""
+    from kvpress_critical_vllm.head_wise_attention import softmax_terms
+    from kvpress_critical_vllm.worker import check_attention_impl
+
+    sinks = torch.tensor([0.5, -1.0])
+    capped = SimpleNamespace(alibi_slopes=None, logits_soft_cap=30.0, sinks=None)
+    sinking = SimpleNamespace(alibi_slopes=None, logits_soft_cap=0, sinks=sinks)
+    for impl in (capped, sinking):
+        check_attention_impl("model.layers.0.self_attn.attn", impl)
+    assert softmax_terms(capped) == {"soft_cap": 30.0}
+    assert softmax_terms(sinking)["sinks"] is sinks and "soft_cap" not in softmax_terms(sinking)
+    assert softmax_terms(SimpleNamespace(logits_soft_cap=None, sinks=None)) == {}
 
 
 def test_a_request_is_checked_against_its_engines_options_not_the_defaults():
