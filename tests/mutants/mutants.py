@@ -139,6 +139,21 @@ MUTANTS = (
         plugin_tests("hybrid"),
     ),
     Mutant(
+        "head-wise-attention-drops-the-sinks", "worker", f"{PLUGIN}/head_wise_attention.py",
+        "        terms[\"sinks\"] = sinks",
+        "        pass",
+        "gpt-oss's attention sinks are left out of the head-wise rows' softmax: their attention is a plain softmax "
+        "(the uniform rows, vLLM's, keep them)",
+        plugin_tests("units", "models"),
+    ),
+    Mutant(
+        "kv-spec-counts-no-linear-attention-state", "scheduler", f"{PLUGIN}/vllm_compat.py",
+        "        return spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes",
+        "        return 0",
+        "admission counts no block for a linear-attention layer's recurrent state beside the compressed group",
+        plugin_tests("units"),
+    ),
+    Mutant(
         "layouts-tail-offsets-wrong-head-stride", "layouts", f"{PLUGIN}/layouts.py",
         "        heads = torch.arange(num_kv_heads, device=kv_cache.device)[:, None, None] * block_size * width",
         "        heads = torch.arange(num_kv_heads, device=kv_cache.device)[:, None, None] * block_size * width // 2",

@@ -324,3 +324,33 @@ def fp8_cache(model, code_dtype: torch.dtype):
     finally:
         model.set_attn_implementation(previous)
         _FP8.clear()
+
+
+_CAPTURED: dict = {}  # layer index -> (query (H, N, d), key (H_kv, N, d), value (H_kv, N, d)) of a prefill
+
+
+def _capturing_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """:func:`_masked_eager` (the models' eager attention, with nothing dropped), recording the layer's post-RoPE
+    queries, keys and values."""
+    _CAPTURED[module.layer_idx] = (query[0].detach().clone(), key[0].detach().clone(), value[0].detach().clone())
+    return _masked_eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
+@torch.no_grad()
+def prefill_states(model, prompt_ids: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``{layer index: (queries (H, N, d), keys (H_kv, N, d), values (H_kv, N, d))}`` of every attention layer of a
+    prefill of ``prompt_ids``, post-RoPE, as the model's eager attention computes them: what a press scores."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register("kvpress_critical_capture", _capturing_eager)
+    AttentionMaskInterface.register("kvpress_critical_capture", eager_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("kvpress_critical_capture")
+    _CAPTURED.clear()
+    try:
+        model(input_ids=torch.tensor([prompt_ids]), past_key_values=new_cache(model), use_cache=True)
+        return dict(_CAPTURED)
+    finally:
+        model.set_attn_implementation(previous)
+        _CAPTURED.clear()

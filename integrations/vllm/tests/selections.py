@@ -1,7 +1,8 @@
 """The plugin's kept entries against this project's transformers presses, and the schedules the engine follows.
 
 The presses run in kvpress's environment (``KVPRESS_CRITICAL_PYTHON``, set by ``make test-vllm``) through
-``press_reference.py``, for the plugin's block-aligned budget ``N - E`` (the one documented difference: the plugin
+``press_reference.py`` (on SmolLM2; on the other architectures, :func:`press_selection` scores transformers' prefill
+with the plugin's own rule, in this environment), for the plugin's block-aligned budget ``N - E`` (the one documented difference: the plugin
 keeps up to ``block_size - 1`` entries more than ``int(N * (1 - ratio))``, since it frees whole blocks). The engine
 computes its keys, values and queries with vLLM's kernels and transformers with its own, so float32 rounding may
 swap near-tied entries: the tests compare the fraction of kept entries both keep.
@@ -109,6 +110,32 @@ def compare_selections(names, plugin: list[dict], reference: list[dict]) -> tupl
         agreement[name] = common / entries
         report.append(f"{name}: {identical}/{heads_total} identical heads, {common}/{entries} entries")
     return report, agreement
+
+
+def press_selection(model, prompt: list[int], kept: dict, options: dict) -> dict:
+    """The entries the press of ``options`` keeps in each layer of ``kept`` (the engine's selection, for its counts),
+    scored on transformers' prefill of ``prompt``: the plugin's selection rule (``presses.keep_mask``) on the
+    reference's post-RoPE queries, keys and values and its ``o_proj``."""
+    from kvpress_critical_vllm.options import CompressionOptions
+    from kvpress_critical_vllm.presses import keep_mask
+    from reference import layer_index, prefill_states
+
+    press = CompressionOptions(**{"compression_ratio": 0.5, **options})
+    states = prefill_states(model, prompt)
+    selection = {}
+    for name, heads in kept.items():
+        index = layer_index(name)
+        queries, keys, values = states[index]
+        n_keep = sum(len(positions) for positions in heads) // len(heads)  # per head, on average over the heads
+
+        def read(first: int, end: int, keys=keys, values=values):
+            return keys[first:end].transpose(0, 1), values[first:end].transpose(0, 1)  # (N, h, d)
+
+        o_proj = model.model.layers[index].self_attn.o_proj.weight
+        window = queries.transpose(0, 1)[-press.window_size :]  # (W, H, d)
+        mask = keep_mask(press, read, keys.shape[0], n_keep, queries=window, o_proj_weight=o_proj)
+        selection[name] = [row.nonzero().flatten().tolist() for row in mask]
+    return selection
 
 
 def same_entries(a: dict, b: dict) -> float:

@@ -27,6 +27,7 @@ from reference import (
     greedy_with_head_masks,
     load_reference_model,
 )
+from selections import press_selection, same_entries
 from workload import BLOCK_SIZE
 
 pytestmark = pytest.mark.slow  # one more engine (the hybrid model) and its references: the complete tier
@@ -60,6 +61,18 @@ def test_only_the_full_attention_layers_keep_a_selection(hybrid_batch):
         n, ratio = len(result.prompt), result.row.options.get("compression_ratio", 0.5)
         expected = n - (n - int(n * (1 - ratio))) // BLOCK_SIZE * BLOCK_SIZE
         assert {len(heads[0]) for heads in result.kept.values()} == {expected}, result.row.name
+
+
+def test_the_kept_entries_are_the_press_selection(hybrid_batch, hybrid_reference):
+    """The uniform and head-wise rows kept, in each full-attention layer, what the press selects on transformers'
+    prefill (the plugin's rule on the reference's queries, keys and values), near-ties of two float32 sums aside."""
+    agreement = {}
+    for kind in ("uniform", "head_wise"):
+        for result in results_of(hybrid_batch, kind):
+            expected = press_selection(hybrid_reference, result.prompt, result.kept, result.row.options)
+            agreement[result.row.name] = same_entries(result.kept, expected)
+    print("kept entries shared with the press's selection on transformers' prefill:", agreement)
+    assert all(value >= 0.99 for value in agreement.values()), agreement
 
 
 @pytest.mark.parametrize("kind", ["uniform", "uncompressed"])

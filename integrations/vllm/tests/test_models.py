@@ -19,6 +19,7 @@ import pytest
 from architectures import configs, make_model
 from conftest import make_llm, model_path, run_batch, scheduler_of
 from reference import greedy_after_eviction, greedy_mismatches, greedy_with_head_masks, load_reference_model
+from selections import press_selection, same_entries
 from workload import Row
 
 SERVED = ["qwen2", "qwen3", "phi3", "gemma3", "gemma2"]
@@ -39,6 +40,9 @@ def tiny_model(name: str, tmp_path_factory) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SERVED)
 def test_the_architecture_is_served_exactly(name, tmp_path_factory, prompt_ids):
+    """A uniform and a head-wise request: selections in every full-attention layer and only there, the press's
+    selection on transformers' prefill (measured: identical), greedy tokens equal to transformers keeping the same
+    entries."""
     path = tiny_model(name, tmp_path_factory)
     llm = make_llm(
         {"press": "critical_snapkv", "compression_ratio": 0.5, "record_selections": True},
@@ -60,6 +64,8 @@ def test_the_architecture_is_served_exactly(name, tmp_path_factory, prompt_ids):
     for result, greedy in ((uniform, greedy_after_eviction), (head_wise, greedy_with_head_masks)):
         args = (greedy, reference, result.prompt, result.kept)
         assert not greedy_mismatches(result.tokens, *args, max_new_tokens=NEW_TOKENS), result.row.name
+        expected = press_selection(reference, result.prompt, result.kept, result.row.options)
+        assert same_entries(result.kept, expected) >= 0.99, result.row.name  # near-ties of two float32 sums aside
 
 
 ENGINE_PROCESS = """
@@ -86,8 +92,8 @@ print("RESULTS " + json.dumps(results))
 @pytest.mark.slow
 def test_mixture_of_experts_models_are_served_exactly(tmp_path_factory, prompt_ids):
     """In an engine process of their own: Qwen3-MoE, and gpt-oss (sliding-window and full-attention layers, attention
-    sinks), each with a uniform and a head-wise request, answer as transformers keeping the same entries (gpt-oss's
-    head-wise attention with the sinks in its softmax)."""
+    sinks), each with a uniform and a head-wise request, keep the press's selection on transformers' prefill and
+    answer as transformers keeping the same entries (gpt-oss's head-wise attention with the sinks in its softmax)."""
     paths = {name: tiny_model(name, tmp_path_factory) for name in OWN_PROCESS}
     prompts = [row.prompt(prompt_ids) for row in ROWS]
     job = json.dumps({"models": paths, "prompts": prompts, "options": [row.options for row in ROWS],
@@ -102,6 +108,8 @@ def test_mixture_of_experts_models_are_served_exactly(tmp_path_factory, prompt_i
             greedy = greedy_after_eviction if row.kind == "uniform" else greedy_with_head_masks
             args = (greedy, reference, prompt, served["kept"])
             assert not greedy_mismatches(served["tokens"], *args, max_new_tokens=NEW_TOKENS), (name, row.name)
+            expected = press_selection(reference, prompt, served["kept"], row.options)
+            assert same_entries(served["kept"], expected) >= 0.99, (name, row.name)
 
 
 def test_attention_free_models_refuse_when_the_configuration_is_built(tmp_path_factory):
