@@ -2,8 +2,9 @@
 
 The presses run in kvpress's environment (``KVPRESS_CRITICAL_PYTHON``, set by ``make test-vllm``) through
 ``press_reference.py`` (on SmolLM2; on the other architectures, :func:`press_selection` scores transformers' prefill
-with the plugin's own rule, in this environment), for the plugin's block-aligned budget ``N - E`` (the one documented difference: the plugin
-keeps up to ``block_size - 1`` entries more than ``int(N * (1 - ratio))``, since it frees whole blocks). The engine
+with the plugin's own rule, in this environment), for the plugin's block-aligned budget ``N - E`` (the one
+documented difference: the plugin keeps up to ``block_size - 1`` entries more than ``int(N * (1 - ratio))``, since it
+frees whole blocks). The engine
 computes its keys, values and queries with vLLM's kernels and transformers with its own, so float32 rounding may
 swap near-tied entries: the tests compare the fraction of kept entries both keep.
 """
