@@ -157,6 +157,12 @@ def check_engine_config(vllm_config, cudagraph_requested: bool = True) -> Compre
                 "beside fp8 ones, which the plugin reads with one format for every compressed layer",
                 "Unset kv_cache_dtype_skip_layers (or use kv_cache_dtype='auto')",
             )
+        if parallel is not None and parallel.tensor_parallel_size > 1:
+            raise _refuse(
+                f"kv_cache_dtype={cache.cache_dtype!r} with tensor_parallel_size={parallel.tensor_parallel_size}: an "
+                "fp8 cache over several ranks is not yet run with the plugin",
+                "Use kv_cache_dtype='auto' with tensor parallelism, or tensor_parallel_size=1 with fp8",
+            )
         if vllm_config.device_config.device_type != "cpu":
             raise _refuse(
                 f"kv_cache_dtype={cache.cache_dtype!r} on {vllm_config.device_config.device_type}: the plugin reads "

@@ -49,7 +49,7 @@ def qwen3_next(folder) -> str:
     return _MODEL["path"]
 
 
-@background.job("linear-attention", lane="async", order=50)
+@background.job("linear-attention", lane="models")
 def linear_attention_job(tmp_path_factory) -> background.Job:
     """The hybrid batch on the tiny Qwen3-Next, in an engine process whose engine core runs in it (so that the job
     reports each request's record and the pool once the batch is done)."""

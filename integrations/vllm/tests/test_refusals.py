@@ -85,6 +85,13 @@ def test_unsupported_engine_options_refuse(overrides, fix):
             ),
             "Unset kv_cache_dtype_skip_layers",
         ),
+        (
+            lambda c: (
+                setattr(c.cache_config, "cache_dtype", "fp8_e5m2"),
+                setattr(c.parallel_config, "tensor_parallel_size", 2),
+            ),
+            "tensor_parallel_size=1 with fp8",
+        ),
     ],
     ids=[
         "pipeline-parallel",
@@ -98,6 +105,7 @@ def test_unsupported_engine_options_refuse(overrides, fix):
         "other-quantized-cache",
         "fp8-cache-on-gpu",
         "fp8-skip-layers",
+        "fp8-with-tensor-parallelism",
     ],  # fmt: skip
 )
 def test_settings_the_cpu_platform_rewrites_refuse(change, fix):
