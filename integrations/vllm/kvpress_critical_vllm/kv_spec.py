@@ -121,16 +121,14 @@ def compressed_group(groups: list, longer_than_pool: bool = False, tensor_parall
         raise EngineConfigError(
             "kvpress_critical cannot serve a max_model_len longer than the KV pool with this model: its "
             "sliding-window or linear-attention layers hold blocks beside the compressed full-attention ones, which "
-            "the bound a "
-            "compressed request holds does not count yet. Set max_model_len within the pool (or a larger pool), "
-            "or drop the engine-wide compression_chunk_size / compression_interval that bound requests."
+            "the bound a compressed request holds does not count yet. Set max_model_len within the pool (or a larger "
+            "pool), or drop the engine-wide compression_chunk_size / compression_interval that bound requests."
         )
     if tensor_parallel_size > 1 and len(groups) > 1:
         raise EngineConfigError(
             "kvpress_critical does not compress a model with sliding-window or linear-attention layers over "
-            f"{tensor_parallel_size} "
-            "tensor-parallel ranks yet (not tested together). Serve it with tensor_parallel_size=1, or vLLM without "
-            "the plugin."
+            f"{tensor_parallel_size} tensor-parallel ranks yet (not tested together). Serve it with "
+            "tensor_parallel_size=1, or vLLM without the plugin."
         )
     return full[0]
 

@@ -208,8 +208,8 @@ class CompressingWorkerMixin:
         compressed = compressed_group(groups)
         state.group = compressed
         layers = set(groups[compressed].layer_names)
-        # the model's full-attention layers (bind_model) are the compressed group's; the sliding-window groups' layers
-        # run as vLLM's, with their whole view
+        # the model's full-attention layers (bind_model) are the compressed group's; the sliding-window and
+        # linear-attention groups' layers run as vLLM's, with their whole view
         if set(state.o_proj) != layers:
             raise EngineConfigError(
                 f"kvpress_critical cannot compress with this model: the layers whose o_proj it read "
@@ -241,7 +241,7 @@ class CompressingWorkerMixin:
         builders = 0
         for index, attention in enumerate(attention_groups(self.model_runner)):
             for group in attention:
-                if index != compressed:  # a sliding-window group: vLLM's view, no plan, no compaction
+                if index != compressed:  # a sliding-window or linear-attention group: vLLM's, no plan
                     for builder in group.metadata_builders:
                         builder.kvpress_passthrough = True
                     continue
