@@ -384,12 +384,14 @@ def main(argv=None) -> int:
     configs.sort(key=lambda config: bases.index(twins.get(config[0], config[0])))
     measured = {name: [] for name, _, _ in configs}
     workload_name = "" if args.workload == "random" else f"_{args.workload}"
-    # a hybrid model (sliding-window layers beside full-attention ones): the same pool bytes, its own results
-    hybrid = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+    # a hybrid model (sliding-window or linear-attention layers beside full-attention ones): the same pool bytes, its
+    # own results
+    kinds = set(getattr(config, "layer_types", None) or ())
+    hybrid = next((kind for kind in ("sliding_attention", "linear_attention") if kind in kinds), "")
+    model_name = {"sliding_attention": "_hybrid", "linear_attention": "_linear_hybrid", "": ""}[hybrid]
     quantized = "".join(f"_{kv}" for kv in kv_dtypes if kv != "auto")
     stem = output_stem(
-        args,
-        f"vllm{'_hybrid' if hybrid else ''}{workload_name}{'_prefix_cache' if args.prefix_caching else ''}{quantized}",
+        args, f"vllm{model_name}{workload_name}{'_prefix_cache' if args.prefix_caching else ''}{quantized}"
     )
     with tqdm(total=args.repeats * len(configs), desc="runs") as progress:
         for repeat in range(args.repeats):
@@ -418,7 +420,11 @@ def main(argv=None) -> int:
                 + "; one KV pool of "
                 + (
                     f"the bytes of {args.pool_tokens} tokens in every layer ({args.dtype}; the full-attention layers' "
-                    f"blocks and the sliding-window layers' windows share it) for both "
+                    + (
+                        "blocks and the sliding-window layers' windows share it) for both "
+                        if hybrid == "sliding_attention"
+                        else "blocks and the linear-attention layers' states share it) for both "
+                    )
                     if hybrid
                     else f"{blocks} blocks of {args.block_size} tokens ({args.pool_tokens} tokens, {args.dtype}) "
                     "for both "
