@@ -273,6 +273,19 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def save_random_model(model, folder: Path, tokenizer: Path | None = None) -> None:
+    """Save a random-weight transformers ``model`` in ``folder`` with the tokenizer files of ``tokenizer`` (the
+    embedded SmolLM2's by default), for the serving benchmarks' made-up models."""
+    if tokenizer is None:
+        from kvpress_critical.default_model import vllm_model_path
+
+        tokenizer = Path(vllm_model_path())
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tokenizer / name).read_bytes())
+
+
 def write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically (a reader never sees a half-written table)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,13 @@ weights are random, so it measures memory and speed, not answers. Run in the plu
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import save_random_model  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -27,9 +31,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from kvpress_critical.default_model import vllm_model_path
-
-    tokenizer = args.tokenizer or Path(vllm_model_path())
     layer_types = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(args.layers)]
     config = Gemma3TextConfig(
         vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=args.layers,
@@ -38,11 +39,7 @@ def main(argv=None) -> int:
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Gemma3ForCausalLM(config)
-    args.folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (args.folder / name).write_bytes((tokenizer / name).read_bytes())
+    save_random_model(Gemma3ForCausalLM(config), args.folder, args.tokenizer)
     print(
         f"wrote {args.folder}: {layer_types.count('sliding_attention')} sliding-window layers of {args.window} tokens, "
         f"{layer_types.count('full_attention')} full-attention layers"

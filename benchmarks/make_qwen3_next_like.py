@@ -15,9 +15,13 @@ Gated DeltaNet in bfloat16 only. Run in the plugin's environment::
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import save_random_model  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -28,9 +32,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    from kvpress_critical.default_model import vllm_model_path
-
-    tokenizer = args.tokenizer or Path(vllm_model_path())
     config = Qwen3NextConfig(
         vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=args.layers,
         full_attention_interval=4, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
@@ -39,11 +40,7 @@ def main(argv=None) -> int:
         max_position_embeddings=8192, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Qwen3NextForCausalLM(config)
-    args.folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (args.folder / name).write_bytes((tokenizer / name).read_bytes())
+    save_random_model(Qwen3NextForCausalLM(config), args.folder, args.tokenizer)
     kinds = config.layer_types
     print(
         f"wrote {args.folder}: {kinds.count('linear_attention')} linear-attention layers, "
