@@ -31,6 +31,7 @@ from workload import BLOCK_SIZE, ENGINE_OPTIONS, FP8_ROWS, HYBRID_ROWS, ROWS, Ro
 REPO = Path(__file__).resolve().parents[3]
 sys.path.append(str(REPO / "tests"))  # the main suite's background jobs (after this folder: its conftest is ours)
 import background  # noqa: E402
+from engine_process import IDLE_POOL, pool_state  # noqa: E402
 
 POOL_BYTES = 256 * 2**20  # the server's pool: about 5.8K tokens of SmolLM2 in float32
 TOKEN_BYTES = 30 * 2 * 3 * 64 * 4  # SmolLM2's K and V per token in float32
@@ -217,22 +218,9 @@ def assert_idle(llm) -> None:
     engine.add_request(f"idle-probe-{next(_PROBES)}", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=1))
     for _ in stepped(llm):
         pass
-    pool = scheduler.kv_cache_manager.block_pool
-    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-    state = {
-        "requests left running": leftover,
-        "blocks not back in the pool": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
-        "requests holding blocks": sorted(rid for m in managers for rid, blocks in m.req_to_blocks.items() if blocks),
-        "requests the scheduler tracks": scheduler.kvpress_tracked_requests,
-        "requests the workers track": llm.collective_rpc("kvpress_critical_tracked"),
-    }
-    idle = {
-        "requests left running": [],
-        "blocks not back in the pool": 0,
-        "requests holding blocks": [],
-        "requests the scheduler tracks": 0,
-        "requests the workers track": [0] * len(state["requests the workers track"]),
-    }
+    workers = llm.collective_rpc("kvpress_critical_tracked")
+    state = {"requests left running": leftover, **pool_state(scheduler), "requests the workers track": workers}
+    idle = {"requests left running": [], **IDLE_POOL, "requests the workers track": [0] * len(workers)}
     assert state == idle, f"the engine is not idle after the test: {state}"
 
 
@@ -346,6 +334,14 @@ class Result:
     tokens: list[int]
     kept: dict | None
     stages: list[dict]
+
+
+def job_results(job: dict, rows, prompt_ids) -> list[Result]:
+    """``rows`` as an engine process ran them (``engine_process.py``'s result ``job``, rank 0's selections)."""
+    (selections,), (stages,) = job["selections"][:1], job["stages"][:1]
+    return [
+        Result(row, row.prompt(prompt_ids), job["tokens"][i], selections[i], stages[i]) for i, row in enumerate(rows)
+    ]
 
 
 def run_batch(llm, rows, prompt_ids) -> list[Result]:

@@ -98,9 +98,26 @@ def serve_job(llm, job: dict) -> dict:
     }
 
 
+# the pool of an engine with nothing left behind (:func:`pool_state`): every block back, no request holding blocks,
+# none tracked by the plugin's scheduler
+IDLE_POOL = {"blocks not back in the pool": 0, "requests holding blocks": [], "requests the scheduler tracks": 0}
+
+
+def pool_state(scheduler) -> dict:
+    """What an engine's scheduler still holds (:data:`IDLE_POOL` when nothing): blocks out of the pool (vLLM's null
+    block aside), the requests holding blocks in any KV-cache group, the requests the plugin's scheduler tracks."""
+    pool = scheduler.kv_cache_manager.block_pool
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    return {
+        "blocks not back in the pool": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+        "requests holding blocks": sorted(rid for m in managers for rid, blocks in m.req_to_blocks.items() if blocks),
+        "requests the scheduler tracks": scheduler.kvpress_tracked_requests,
+    }
+
+
 def _in_process_state(llm, order: dict) -> dict:
-    """Each prompt's compression record (or None) and the pool's state, where the engine core runs in this process;
-    nothing otherwise."""
+    """Each prompt's compression record (or None), the KV-cache groups and the pool's state (:func:`pool_state`),
+    where the engine core runs in this process; nothing otherwise."""
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
     if core is None:
         return {}
@@ -112,16 +129,13 @@ def _in_process_state(llm, order: dict) -> dict:
         index = order.get(key.rpartition("-")[0])
         if index is not None:
             records[index] = dataclasses.asdict(record)
-    pool = scheduler.kv_cache_manager.block_pool
-    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    groups = scheduler.kv_cache_config.kv_cache_groups
     return {
         "records": records,
-        "groups": [type(group.kv_cache_spec).__name__ for group in scheduler.kv_cache_config.kv_cache_groups],
+        "groups": [type(group.kv_cache_spec).__name__ for group in groups],
         "compressed_group": scheduler.kvpress_group,
-        "compressed_layers": list(scheduler.kv_cache_config.kv_cache_groups[scheduler.kvpress_group].layer_names),
-        "blocks_in_use": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),  # vLLM's null block aside
-        "requests_holding_blocks": sorted(rid for m in managers for rid, blocks in m.req_to_blocks.items() if blocks),
-        "requests_the_scheduler_tracks": scheduler.kvpress_tracked_requests,
+        "compressed_layers": list(groups[scheduler.kvpress_group].layer_names),
+        "pool": pool_state(scheduler),
     }
 
 

@@ -241,6 +241,18 @@ def greedy_with_compactions(model, prompt_ids: list[int], stages: list[dict], ma
     return _generate(model, cache, out.logits, n_prompt, max_new_tokens, compact, set(by_seen))
 
 
+def reference_of(result, model) -> tuple:
+    """The reference of an engine's answer (``conftest.Result``: its row's kind, prompt, kept entries and stages) over
+    ``model``, as ``(greedy function, its arguments)``: the whole cache or the same kept entries (uniform presses,
+    uncompressed rows), each head's own entries masked (head-wise presses), the compactions replayed (after every
+    chunk, while decoding)."""
+    if result.row.kind in ("uniform", "uncompressed"):
+        return greedy_after_eviction, model, result.prompt, result.kept
+    if result.row.kind == "head_wise":
+        return greedy_with_head_masks, model, result.prompt, result.kept
+    return greedy_with_compactions, model, result.prompt, result.stages
+
+
 _DROPPED: dict[int, torch.Tensor] = {}  # layer index -> (H_kv, N) bool: the prompt entries a KV head dropped
 _FP8: dict = {}  # "codes": the fp8 dtype the cache rounds keys and values to (fp8_cache), absent for a float cache
 

@@ -17,22 +17,17 @@ import pytest
 import torch
 from conftest import (
     ENGINES,
-    Result,
+    IDLE_POOL,
     engine_kwargs,
     fp8_on_this_cpu,
     hybrid_smollm2,
+    job_results,
     pool_of,
     results_of,
     scheduler_of,
     token_ids,
 )
-from reference import (
-    fp8_cache,
-    greedy_after_eviction,
-    greedy_with_compactions,
-    greedy_with_head_masks,
-    margins_along,
-)
+from reference import fp8_cache, margins_along, reference_of
 from test_engine_features import engine_job, engine_process_job, job_requests, result_of
 from workload import BLOCK_SIZE, FP8_ROWS, HYBRID_ROWS
 
@@ -50,15 +45,6 @@ E4M3 = torch.float8_e4m3fn  # kv_cache_dtype="fp8"
 # 0.21); a
 # wrong selection, scale or misread code costs whole logits at many steps.
 NEAR_TIE = 0.5
-
-
-def reference_of(result, model) -> tuple:
-    """The reference of a batch row over ``model``, as ``(greedy function, its arguments)``."""
-    if result.row.kind in ("uniform", "uncompressed"):
-        return greedy_after_eviction, model, result.prompt, result.kept
-    if result.row.kind == "head_wise":
-        return greedy_with_head_masks, model, result.prompt, result.kept
-    return greedy_with_compactions, model, result.prompt, result.stages
 
 
 @pytest.fixture(scope="module")
@@ -157,11 +143,8 @@ def test_an_e5m2_cache_follows_its_rounded_reference(background_job, reference_m
     cost less than half the margins against transformers keeping the same entries rounded to e5m2 as against the
     same entries unrounded; the engine ends idle."""
     job = result_of(background_job)
-    ids = token_ids()
-    (selections,), (stages,) = job["selections"], job["stages"]
-    batch = [Result(row, row.prompt(ids), job["tokens"][i], selections[i], stages[i]) for i, row in enumerate(FP8_ROWS)]
     rounded = unrounded = 0.0
-    for result in batch:
+    for result in job_results(job, FP8_ROWS, token_ids()):
         if result.row.kind == "uniform":
             n, ratio = len(result.prompt), result.row.options.get("compression_ratio", 0.5)
             expected = n - (n - int(n * (1 - ratio))) // BLOCK_SIZE * BLOCK_SIZE
@@ -177,9 +160,7 @@ def test_an_e5m2_cache_follows_its_rounded_reference(background_job, reference_m
         f"e5m2: summed margins over the batch {rounded:.3f} against the e5m2 reference, {unrounded:.3f} the float one"
     )
     assert rounded < E5M2_RATIO * unrounded
-    idle = {key: job[key] for key in ("blocks_in_use", "requests_holding_blocks", "requests_the_scheduler_tracks")}
-    assert idle == {"blocks_in_use": 0, "requests_holding_blocks": [], "requests_the_scheduler_tracks": 0}
-    assert job["tracked"] == [0]
+    assert job["pool"] == IDLE_POOL and job["tracked"] == [0]
 
 
 # the hybrid SmolLM2 (two sliding-window layers beside each full-attention one) over an e4m3 cache: a uniform, a
@@ -207,15 +188,11 @@ def test_a_hybrid_model_over_an_fp8_cache(background_job):
 
     job = result_of(background_job)
     assert sorted(job["groups"]) == ["FullAttentionSpec", "SlidingWindowSpec", "SlidingWindowSpec"]
-    ids = token_ids()
-    (selections,), (stages,) = job["selections"], job["stages"]
     reference = load_reference_model(hybrid_smollm2()[1])
     found = {"fp8": {}}
-    for i, row in enumerate(FP8_HYBRID_ROWS):
-        result = Result(row, row.prompt(ids), job["tokens"][i], selections[i], stages[i])
-        assert set(result.kept) == set(job["compressed_layers"]), row.name
+    for result in job_results(job, FP8_HYBRID_ROWS, token_ids()):
+        assert set(result.kept) == set(job["compressed_layers"]), result.row.name
         with fp8_cache(reference, E4M3) as model:
-            found["fp8"][row.name] = margins_along(result.tokens, *reference_of(result, model))
+            found["fp8"][result.row.name] = margins_along(result.tokens, *reference_of(result, model))
         check(result, found)
-    idle = {key: job[key] for key in ("blocks_in_use", "requests_holding_blocks", "requests_the_scheduler_tracks")}
-    assert idle == {"blocks_in_use": 0, "requests_holding_blocks": [], "requests_the_scheduler_tracks": 0}
+    assert job["pool"] == IDLE_POOL

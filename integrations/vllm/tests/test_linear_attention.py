@@ -23,14 +23,8 @@ import background
 import pytest
 import torch
 from architectures import make_model
-from conftest import ENGINE_OPTIONS, engine_kwargs, model_path, token_ids
-from reference import (
-    greedy_after_eviction,
-    greedy_with_compactions,
-    greedy_with_head_masks,
-    load_reference_model,
-    margins_along,
-)
+from conftest import ENGINE_OPTIONS, IDLE_POOL, engine_kwargs, job_results, model_path, token_ids
+from reference import greedy_after_eviction, load_reference_model, margins_along, reference_of
 from selections import press_selection, same_entries
 from test_engine_features import engine_process_job, job_requests, result_of
 from workload import BLOCK_SIZE, LINEAR_ROWS
@@ -39,7 +33,6 @@ pytestmark = pytest.mark.slow
 
 FULL = {"model.layers.3.self_attn.attn"}  # the one full-attention layer of four
 NEAR_TIE = 0.25  # logits: a few bfloat16 roundings of the logits
-ROWS = {row.name: (index, row) for index, row in enumerate(LINEAR_ROWS)}
 _MODEL: dict = {}
 
 
@@ -67,9 +60,15 @@ def linear_attention_job(tmp_path_factory) -> background.Job:
 
 
 @pytest.fixture(scope="module")
-def linear_batch(background_jobs) -> dict:
+def linear_job(background_jobs) -> dict:
     """What the job reported (``engine_process.py``), once it has ended."""
     return result_of(background_jobs.finished("linear-attention"))
+
+
+@pytest.fixture(scope="module")
+def linear_batch(linear_job) -> list:
+    """The job's rows as it ran them (``conftest.Result``), in ``LINEAR_ROWS``' order."""
+    return job_results(linear_job, LINEAR_ROWS, token_ids())
 
 
 @pytest.fixture(scope="module")
@@ -78,50 +77,35 @@ def linear_reference():
 
 
 @pytest.mark.background("linear-attention")
-def test_the_engine_compresses_the_full_attention_group_and_ends_idle(linear_batch):
+def test_the_engine_compresses_the_full_attention_group_and_ends_idle(linear_job, linear_batch):
     """Four KV-cache groups, three of linear-attention states; the plugin compresses the full-attention one, only its
     layer keeps selections; the engine ends idle (every block back, nothing tracked)."""
-    batch = linear_batch
-    assert sorted(batch["groups"]) == ["FullAttentionSpec", "MambaSpec", "MambaSpec", "MambaSpec"]
-    assert batch["groups"][batch["compressed_group"]] == "FullAttentionSpec"
-    assert set(batch["compressed_layers"]) == FULL
-    (selections,) = batch["selections"]
-    for name, (index, row) in ROWS.items():
-        if row.kind == "uncompressed":
-            assert selections[index] is None and batch["records"][index] is None, name
+    job = linear_job
+    assert sorted(job["groups"]) == ["FullAttentionSpec", "MambaSpec", "MambaSpec", "MambaSpec"]
+    assert job["groups"][job["compressed_group"]] == "FullAttentionSpec"
+    assert set(job["compressed_layers"]) == FULL
+    for result, record in zip(linear_batch, job["records"]):
+        if result.row.kind == "uncompressed":
+            assert result.kept is None and record is None, result.row.name
         else:
-            assert set(selections[index]) == FULL, name
-    idle = {key: batch[key] for key in ("blocks_in_use", "requests_holding_blocks", "requests_the_scheduler_tracks")}
-    assert idle == {"blocks_in_use": 0, "requests_holding_blocks": [], "requests_the_scheduler_tracks": 0}
-    assert batch["tracked"] == [0]
+            assert set(result.kept) == FULL, result.row.name
+    assert job["pool"] == IDLE_POOL and job["tracked"] == [0]
 
 
 @pytest.mark.background("linear-attention")
-def test_the_blocks_freed_are_the_full_attention_groups(linear_batch):
+def test_the_blocks_freed_are_the_full_attention_groups(linear_job, linear_batch):
     """A uniform request keeps every KV head's budget rounded up to whole blocks and frees the evicted blocks of the
     full-attention group: its record counts that group's blocks alone (a linear-attention group's would add its
     state's blocks)."""
-    for name, (index, row) in ROWS.items():
-        if row.kind != "uniform":
+    for result, record in zip(linear_batch, linear_job["records"]):
+        if result.row.kind != "uniform":
             continue
-        n, ratio = len(row.prompt(token_ids())), row.options.get("compression_ratio", 0.5)
+        n, ratio = len(result.prompt), result.row.options.get("compression_ratio", 0.5)
         evicted_blocks = (n - int(n * (1 - ratio))) // BLOCK_SIZE
-        (selections,) = linear_batch["selections"]
-        assert {len(heads) for heads in selections[index][next(iter(FULL))]} == {n - evicted_blocks * BLOCK_SIZE}
-        record = linear_batch["records"][index]
-        assert (record["blocks_freed"], record["blocks_before"]) == (evicted_blocks, -(-n // BLOCK_SIZE)), name
-
-
-def _margins(row, prompt, tokens, kept, stages, model) -> tuple[list[float], list[float]]:
-    """Per step, the engine's token below the best one of the reference keeping the engine's entries, and of the one
-    keeping every entry."""
-    if row.kind in ("uniform", "uncompressed"):
-        args = (greedy_after_eviction, model, prompt, kept)
-    elif row.kind == "head_wise":
-        args = (greedy_with_head_masks, model, prompt, kept)
-    else:
-        args = (greedy_with_compactions, model, prompt, stages)
-    return margins_along(tokens, *args), margins_along(tokens, greedy_after_eviction, model, prompt, None)
+        assert {len(heads) for heads in result.kept[next(iter(FULL))]} == {n - evicted_blocks * BLOCK_SIZE}
+        assert (record["blocks_freed"], record["blocks_before"]) == (evicted_blocks, -(-n // BLOCK_SIZE)), (
+            result.row.name
+        )
 
 
 @pytest.mark.background("linear-attention")
@@ -129,21 +113,20 @@ def test_answers_follow_transformers_keeping_the_same_full_attention_entries(lin
     """Every row (each schedule, uniform and head-wise, one uncompressed): every step is the bfloat16 reference's
     greedy token or a near-tie of it, at most one step in eight off; over the compressed rows, the reference keeping
     every entry disagrees with the engine at least three times as often."""
-    ids = token_ids()
-    (selections,), (stages,) = linear_batch["selections"], linear_batch["stages"]
     off_kept = off_whole = 0
     report = {}
-    for name, (index, row) in ROWS.items():
-        tokens = linear_batch["tokens"][index]
-        assert len(tokens) == row.max_tokens, name
-        kept, whole = _margins(row, row.prompt(ids), tokens, selections[index], stages[index], linear_reference)
+    for result in linear_batch:
+        name, tokens = result.row.name, result.tokens
+        assert len(tokens) == result.row.max_tokens, name
+        kept = margins_along(tokens, *reference_of(result, linear_reference))
+        whole = margins_along(tokens, greedy_after_eviction, linear_reference, result.prompt, None)
         off = [round(margin, 4) for margin in kept if margin > 0]
         report[name] = (off, sum(margin > 0 for margin in whole))
         assert max(kept) <= NEAR_TIE and len(off) <= max(1, len(tokens) // 8), (name, off)
-        if row.kind != "uncompressed":
+        if result.row.kind != "uncompressed":
             off_kept, off_whole = off_kept + len(off), off_whole + report[name][1]
-        if row.kind in ("chunked", "decoding"):
-            assert len(stages[index]) > 1 and all(set(stage["kept"]) == FULL for stage in stages[index]), name
+        if result.row.kind in ("chunked", "decoding"):
+            assert len(result.stages) > 1 and all(set(stage["kept"]) == FULL for stage in result.stages), name
     print("steps off the reference keeping the engine's entries, and off the whole cache's:", report)
     assert off_whole >= 3 * max(off_kept, 1), report
 
@@ -154,12 +137,10 @@ def test_the_kept_entries_are_the_press_selection(linear_batch, linear_reference
     on the reference's queries, keys and values): the same entries but for bfloat16 near-ties. Not the knorm row:
     Qwen3-Next normalises its keys (an RMSNorm per head), so their norms, knorm's scores, are equal within 0.2 % and
     the order bfloat16's rounding gives them is all that ranks them."""
-    ids = token_ids()
-    (selections,) = linear_batch["selections"]
     agreement = {}
-    for name, (index, row) in ROWS.items():
-        if row.kind in ("uniform", "head_wise") and row.press != "knorm":
-            expected = press_selection(linear_reference, row.prompt(ids), selections[index], row.options)
-            agreement[name] = same_entries(selections[index], expected)
+    for result in linear_batch:
+        if result.row.kind in ("uniform", "head_wise") and result.row.press != "knorm":
+            expected = press_selection(linear_reference, result.prompt, result.kept, result.row.options)
+            agreement[result.row.name] = same_entries(result.kept, expected)
     print("kept entries shared with the press's selection on transformers' prefill:", agreement)
     assert all(value >= 0.95 for value in agreement.values()), agreement
