@@ -10,21 +10,20 @@ window in every layer is refused in test_refusals.py. Each served model is one m
 each): the complete tier.
 """
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
+import background
 import pytest
 from architectures import configs, make_model
-from conftest import make_llm, model_path, run_batch, scheduler_of
-from reference import greedy_after_eviction, greedy_mismatches, greedy_with_head_masks, load_reference_model
+from conftest import engine_kwargs, job_results, make_llm, model_path, run_batch, scheduler_of, token_ids
+from reference import greedy_mismatches, load_reference_model, reference_of
 from selections import press_selection, same_entries
+from test_engine_features import engine_process_job, job_requests, result_of
 from workload import Row
 
 SERVED = ["qwen2", "qwen3", "phi3", "gemma3", "gemma2"]
-# in one engine process: vLLM creates a mixture-of-experts model's expert-parallel group with the process's first
-# engine, which in the suite's process is a dense model
+# in an engine process (a background job): vLLM creates a mixture-of-experts model's expert-parallel group with a
+# process's first engine, which in the suite's process is a dense model
 OWN_PROCESS = ["qwen3_moe", "gpt_oss"]
 NEW_TOKENS = 12
 ROWS = (
@@ -61,55 +60,48 @@ def test_the_architecture_is_served_exactly(name, tmp_path_factory, prompt_ids):
         assert set(result.kept) == compressed, result.row.name  # the full-attention layers, every one of them
     n = len(uniform.prompt)
     assert {len(heads[0]) for heads in uniform.kept.values()} == {n - (n - int(n * 0.5)) // 32 * 32}
-    for result, greedy in ((uniform, greedy_after_eviction), (head_wise, greedy_with_head_masks)):
-        args = (greedy, reference, result.prompt, result.kept)
+    for result in (uniform, head_wise):
+        args = reference_of(result, reference)
         assert not greedy_mismatches(result.tokens, *args, max_new_tokens=NEW_TOKENS), result.row.name
         expected = press_selection(reference, result.prompt, result.kept, result.row.options)
         assert same_entries(result.kept, expected) >= 0.99, result.row.name  # near-ties of two float32 sums aside
 
 
-ENGINE_PROCESS = """
-import json, os, sys
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from vllm import LLM, SamplingParams
-jobs = json.loads(sys.argv[1])
-results, engines = {}, []  # every engine kept: collecting one tears down the distributed state the others share
-for name, path in jobs["models"].items():
-    llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=1024, block_size=32,
-              kv_cache_memory_bytes=24 * 2**20, additional_config={"kvpress_critical": {
-                  "press": "critical_snapkv", "compression_ratio": 0.5, "record_selections": True}})
-    engines.append(llm)
-    params = [SamplingParams(max_tokens=jobs["new_tokens"], temperature=0, extra_args={"kvpress_critical": options})
-              for options in jobs["options"]]
-    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in jobs["prompts"]], params)
-    selections = llm.collective_rpc("kvpress_critical_selections")[0]
-    kept = [next(v for k, v in selections.items() if k.rpartition("-")[0] == o.request_id) for o in outputs]
-    results[name] = [{"tokens": list(o.outputs[0].token_ids), "kept": k} for o, k in zip(outputs, kept)]
-print("RESULTS " + json.dumps(results))
-"""
+_OWN_PROCESS_PATHS: dict = {}  # model name -> its folder, made by the job
+
+
+@background.job("mixture-of-experts", lane="models")
+def mixture_of_experts_job(tmp_path_factory) -> background.Job:
+    """The two rows on each model of :data:`OWN_PROCESS`, one engine after the other in an engine process (each
+    engine core in a process of its own: vLLM makes its expert-parallel group there)."""
+    ids = token_ids()
+    plugin = {"press": "critical_snapkv", "compression_ratio": 0.5, "record_selections": True}
+    jobs = []
+    for name in OWN_PROCESS:
+        _OWN_PROCESS_PATHS[name] = tiny_model(name, tmp_path_factory)
+        engine = engine_kwargs(model=_OWN_PROCESS_PATHS[name], max_model_len=1024, kv_cache_memory_bytes=24 * 2**20)
+        prompts = [row.prompt(ids) for row in ROWS]
+        jobs.append(dict(engine=engine, plugin=plugin, prompts=prompts, requests=job_requests(ROWS)))
+    for first, then in zip(jobs, jobs[1:]):
+        first["then"] = then
+    return engine_process_job(tmp_path_factory.mktemp("mixture-of-experts"), **jobs[0])
 
 
 @pytest.mark.slow
-def test_mixture_of_experts_models_are_served_exactly(tmp_path_factory, prompt_ids):
+@pytest.mark.background("mixture-of-experts")
+def test_mixture_of_experts_models_are_served_exactly(background_job, prompt_ids):
     """In an engine process of their own: Qwen3-MoE, and gpt-oss (sliding-window and full-attention layers, attention
     sinks), each with a uniform and a head-wise request, keep the press's selection on transformers' prefill and
     answer as transformers keeping the same entries (gpt-oss's head-wise attention with the sinks in its softmax)."""
-    paths = {name: tiny_model(name, tmp_path_factory) for name in OWN_PROCESS}
-    prompts = [row.prompt(prompt_ids) for row in ROWS]
-    job = json.dumps({"models": paths, "prompts": prompts, "options": [row.options for row in ROWS],
-                      "new_tokens": NEW_TOKENS})  # fmt: skip
-    run = subprocess.run([sys.executable, "-c", ENGINE_PROCESS, job], capture_output=True, text=True, timeout=600)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert lines, run.stderr[-3000:]
-    results = json.loads(lines[-1].removeprefix("RESULTS "))
+    job = result_of(background_job)
     for name in OWN_PROCESS:
-        reference = load_reference_model(paths[name])
-        for row, prompt, served in zip(ROWS, prompts, results[name]):
-            greedy = greedy_after_eviction if row.kind == "uniform" else greedy_with_head_masks
-            args = (greedy, reference, prompt, served["kept"])
-            assert not greedy_mismatches(served["tokens"], *args, max_new_tokens=NEW_TOKENS), (name, row.name)
-            expected = press_selection(reference, prompt, served["kept"], row.options)
-            assert same_entries(served["kept"], expected) >= 0.99, (name, row.name)
+        reference = load_reference_model(_OWN_PROCESS_PATHS[name])
+        for result in job_results(job, ROWS, prompt_ids):
+            args = reference_of(result, reference)
+            assert not greedy_mismatches(result.tokens, *args, max_new_tokens=NEW_TOKENS), (name, result.row.name)
+            expected = press_selection(reference, result.prompt, result.kept, result.row.options)
+            assert same_entries(result.kept, expected) >= 0.99, (name, result.row.name)
+        job = job.get("then")
 
 
 def test_attention_free_models_refuse_when_the_configuration_is_built(tmp_path_factory):
